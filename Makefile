@@ -1,0 +1,26 @@
+# Each target sets up its own environment: a fresh clone needs nothing but python3.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.ddp-split-installed
+
+.PHONY: demo test test-slow bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,plot]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --steps 200
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
+clean:
+	rm -rf $(VENV) build *.egg-info

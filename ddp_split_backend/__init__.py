@@ -1,0 +1,30 @@
+"""ddp_split: a torch.compile backend that cuts Dynamo graphs at DDP bucket boundaries.
+
+``torch.compile(model, backend="ddp_split")`` compiles each bucket's piece with an inner
+backend, so DDP can launch each gradient bucket's allreduce while backward is still running.
+"""
+
+from __future__ import annotations
+
+from .backend import CompileRecord, DDPSplitBackend, ddp_split, plan_split
+from .compile import PieceFailure
+from .config import SplitConfig, SplitConfigError
+from .ddp_mode import own_split
+from .plan import AdjustReason, BoundaryAdjustment, BucketPlan, SplitPlan
+
+__all__ = [
+    "AdjustReason",
+    "BoundaryAdjustment",
+    "BucketPlan",
+    "CompileRecord",
+    "DDPSplitBackend",
+    "PieceFailure",
+    "SplitConfig",
+    "SplitConfigError",
+    "SplitPlan",
+    "ddp_split",
+    "own_split",
+    "plan_split",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,214 @@
+"""The ``ddp_split`` Dynamo backend: graph -> plan -> pieces -> compiled callable.
+
+Example::
+
+    >>> model = torch.compile(DDP(MyModel()), backend="ddp_split",
+    ...                       options={"inner": "aot_eager", "bucket_cap_mb": 8})
+    >>> from ddp_split_backend import ddp_split
+    >>> print(ddp_split.records[-1].plan.table())  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .compile import EAGER_FALLBACK, CompiledPieces, PieceFailure, compile_pieces, copy_module
+from .config import BACKEND_NAME, SplitConfig, SplitConfigError
+from .params import find_params
+from .plan import BucketPlan, SplitPlan, layout_graph, plan_buckets
+from .runtime import StitchedCallable, call_inner, track_state_calls
+from .split import split_graph
+from .state import Ambient
+
+__all__ = ["CompileRecord", "DDPSplitBackend", "ddp_split", "plan_split"]
+
+log = logging.getLogger("ddp_split_backend")
+
+_DDP_OPTIMIZER_MARK = "DDPOptimizer"
+
+
+@dataclass(frozen=True, slots=True)
+class CompileRecord:
+    """What the backend did with one graph: its plan and how each piece was compiled."""
+
+    plan: SplitPlan
+    compiled_by: tuple[str, ...]
+    failures: tuple[PieceFailure, ...]
+
+
+def _active_ddp_module() -> torch.nn.Module | None:
+    if not torch.distributed.is_available():
+        return None
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel._get_active_ddp_module()
+
+
+def _ddp_names(ddp_module: torch.nn.Module | None) -> tuple[dict[int, str], frozenset[str]]:
+    """FQNs of the user's module (as DDP wraps it) and the names DDP was told to ignore."""
+    if ddp_module is None:
+        return {}, frozenset()
+    inner = getattr(ddp_module, "module", ddp_module)
+    names: dict[int, str] = {}
+    for name, param in inner.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), name)
+    ignored = frozenset(getattr(ddp_module, "parameters_to_ignore", ()) or ())
+    return names, ignored
+
+
+def _is_ddp_optimizer_piece(gm: fx.GraphModule) -> bool:
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    return _DDP_OPTIMIZER_MARK in str(getattr(reason, "reason", reason or ""))
+
+
+def plan_split(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    config: SplitConfig | None = None,
+    ddp_module: torch.nn.Module | None = None,
+    graph_name: str = "",
+) -> SplitPlan:
+    """Where ``ddp_split`` cuts ``gm``, without compiling anything.
+
+    Args:
+        gm: a Dynamo graph (or any FX graph whose placeholders line up with ``example_inputs``).
+        example_inputs: the graph's inputs; parameters among them are counted into buckets.
+        config: options; bucket caps default to ``ddp_module``'s, else DDP's defaults.
+        ddp_module: the DDP module the graph runs under (default: the active one, if any).
+
+    Returns:
+        The :class:`SplitPlan`.
+    """
+    config = config or SplitConfig()
+    ddp_module = ddp_module if ddp_module is not None else _active_ddp_module()
+    names, ignored = _ddp_names(ddp_module)
+    layout = layout_graph(gm, Ambient.capture())
+    params = find_params(gm, layout.nodes, example_inputs, names=names, ddp_ignored=ignored)
+    return plan_buckets(layout, params, config.caps(ddp_module), graph_name=graph_name)
+
+
+def _resolve_inner(inner: str | Callable[..., Any]) -> tuple[Callable[..., Any], str]:
+    if isinstance(inner, str):
+        from torch._dynamo.backends.registry import lookup_backend
+
+        return lookup_backend(inner), inner
+    return inner, getattr(inner, "__name__", type(inner).__name__)
+
+
+def _whole_graph_plan(gm: fx.GraphModule, config: SplitConfig, source: str, note: str) -> SplitPlan:
+    count = sum(1 for n in gm.graph.nodes if n.op not in ("placeholder", "get_attr", "output"))
+    bucket = BucketPlan(piece=0, bucket=0, nbytes=0, params=(), start=0, stop=count)
+    return SplitPlan(
+        buckets=(bucket,), caps=config.caps(), node_count=count, source=source, notes=(note,)
+    )
+
+
+class DDPSplitBackend:
+    """A Dynamo backend that cuts graphs at DDP bucket boundaries and compiles the pieces.
+
+    Use it by name (``torch.compile(model, backend="ddp_split")``, which uses the shared
+    instance :data:`ddp_split`) or as an object with its own options and records::
+
+        backend = DDPSplitBackend(SplitConfig(inner="aot_eager", bucket_cap_mb=4))
+        compiled = torch.compile(model, backend=backend)
+        compiled(x)
+        backend.records[-1].plan  # what was done with the last graph
+    """
+
+    compiler_name = BACKEND_NAME
+
+    def __init__(self, config: SplitConfig | None = None, *, keep_records: int = 256) -> None:
+        self.config = config or SplitConfig()
+        self.records: collections.deque[CompileRecord] = collections.deque(maxlen=keep_records)
+        """The last graphs compiled, oldest first."""
+        self._warned_ddp_optimizer = False
+
+    @property
+    def plans(self) -> list[SplitPlan]:
+        return [r.plan for r in self.records]
+
+    def __call__(
+        self,
+        gm: fx.GraphModule,
+        example_inputs: Sequence[Any],
+        *,
+        options: Mapping[str, Any] | None = None,
+        mode: str | None = None,
+    ) -> Callable[..., Any]:
+        if mode is not None:
+            raise SplitConfigError(
+                f"ddp_split takes no mode (got mode={mode!r}); compile modes belong to the "
+                "inner backend. Pass options={'inner': ...} instead."
+            )
+        config = self.config if options is None else SplitConfig.from_options(options)
+        inner, inner_name = _resolve_inner(config.inner)
+        graph_name = f"graph {len(self.records)}"
+
+        if _is_ddp_optimizer_piece(gm):
+            self._warn_ddp_optimizer()
+            plan = _whole_graph_plan(
+                gm,
+                config,
+                "DDPOptimizer piece",
+                "torch's DDPOptimizer already cut this graph; ddp_split compiled the piece whole",
+            )
+            return self._compile_whole(gm, example_inputs, inner, inner_name, plan)
+
+        plan = plan_split(gm, example_inputs, config=config, graph_name=graph_name)
+        log.info("%s", plan.table())
+        if len(plan.buckets) == 1:
+            return self._compile_whole(gm, example_inputs, inner, inner_name, plan)
+
+        layout = layout_graph(gm, Ambient.capture())
+        split = split_graph(gm, layout, plan.cuts)
+        compiled: CompiledPieces = compile_pieces(split, example_inputs, inner, inner_name)
+        self.records.append(CompileRecord(plan, compiled.compiled_by, compiled.failures))
+        return StitchedCallable(split, compiled.callables, compiled.compiled_by)
+
+    def _compile_whole(
+        self,
+        gm: fx.GraphModule,
+        example_inputs: Sequence[Any],
+        inner: Callable[..., Any],
+        inner_name: str,
+        plan: SplitPlan,
+    ) -> Callable[..., Any]:
+        pristine = copy_module(gm)
+        compiled, error = call_inner(inner, gm, list(example_inputs))
+        if compiled is None:
+            warnings.warn(
+                f"ddp_split: inner backend {inner_name!r} failed on piece 0 of 1; running it "
+                f"eagerly. Error: {(error or '')[:2000]}",
+                stacklevel=3,
+            )
+            failure = PieceFailure(0, error or "")
+            self.records.append(CompileRecord(plan, (EAGER_FALLBACK,), (failure,)))
+            return track_state_calls(pristine)
+        self.records.append(CompileRecord(plan, (inner_name,), ()))
+        return compiled
+
+    def _warn_ddp_optimizer(self) -> None:
+        if self._warned_ddp_optimizer:
+            return
+        self._warned_ddp_optimizer = True
+        warnings.warn(
+            "ddp_split: torch's DDPOptimizer already split this graph "
+            "(torch._dynamo.config.optimize_ddp is True and a DDP module is active); "
+            "ddp_split compiles its pieces whole instead of splitting again. For ddp_split's "
+            "own plan, compile under ddp_split_backend.own_split() or set "
+            "torch._dynamo.config.optimize_ddp = False.",
+            stacklevel=2,
+        )
+
+
+ddp_split = DDPSplitBackend()
+"""The instance registered as ``backend="ddp_split"``."""

@@ -1,0 +1,155 @@
+"""Options of the ``ddp_split`` backend: one frozen dataclass, validated up front.
+
+Example::
+
+    >>> SplitConfig.from_options({"inner": "aot_eager", "bucket_cap_mb": 8})
+    SplitConfig(inner='aot_eager', bucket_cap_mb=8, first_bucket_cap_mb=None)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "BACKEND_NAME",
+    "DDP_DEFAULT_BUCKET_CAP_MB",
+    "MIB",
+    "BucketCaps",
+    "SplitConfig",
+    "SplitConfigError",
+]
+
+BACKEND_NAME = "ddp_split"
+MIB = 1024 * 1024
+DDP_DEFAULT_BUCKET_CAP_MB = 25.0
+
+
+def _ddp_first_bucket_bytes() -> int:
+    """DDP's first-bucket size in bytes (1 MiB in torch 2.13)."""
+    return int(getattr(torch.distributed, "_DEFAULT_FIRST_BUCKET_BYTES", MIB))
+
+
+class SplitConfigError(ValueError):
+    """A ``ddp_split`` option has a bad value; the message names option, value and fix."""
+
+
+@dataclass(frozen=True, slots=True)
+class BucketCaps:
+    """Resolved bucket capacities in bytes, as the planner uses them."""
+
+    first_bytes: int
+    """Capacity of the first bucket (the parameters whose gradients are ready first)."""
+    bytes: int
+    """Capacity of every later bucket."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SplitConfig:
+    """Options of the ``ddp_split`` backend.
+
+    Pass them as ``torch.compile(model, backend="ddp_split", options={...})`` or to
+    :class:`~ddp_split_backend.DDPSplitBackend` directly.
+    """
+
+    inner: str | Callable[..., Any] = "inductor"
+    """Backend each piece is compiled with: a registered backend name or a callable
+    ``(gm, example_inputs) -> callable``."""
+    bucket_cap_mb: float | None = None
+    """Bucket capacity in MiB. ``None``: the active DDP module's cap, else DDP's default (25)."""
+    first_bucket_cap_mb: float | None = None
+    """First-bucket capacity in MiB. ``None``: DDP's first-bucket size, clamped to the cap."""
+
+    def __post_init__(self) -> None:
+        _check_inner(self.inner)
+        _check_size("bucket_cap_mb", self.bucket_cap_mb)
+        _check_size("first_bucket_cap_mb", self.first_bucket_cap_mb)
+        if (
+            self.bucket_cap_mb is not None
+            and self.first_bucket_cap_mb is not None
+            and self.first_bucket_cap_mb > self.bucket_cap_mb
+        ):
+            raise SplitConfigError(
+                f"ddp_split option 'first_bucket_cap_mb'={self.first_bucket_cap_mb!r} exceeds "
+                f"'bucket_cap_mb'={self.bucket_cap_mb!r}; the first bucket must not be larger "
+                "than the others. Lower first_bucket_cap_mb or leave it out."
+            )
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | None) -> SplitConfig:
+        """Build a config from the ``options`` dict of ``torch.compile``."""
+        if options is None:
+            return cls()
+        if not isinstance(options, Mapping):
+            raise SplitConfigError(
+                f"ddp_split options must be a dict, got {type(options).__name__} {options!r}. "
+                f"Pass e.g. options={{'inner': 'aot_eager'}}."
+            )
+        known = [f.name for f in dataclasses.fields(cls)]
+        for key in options:
+            if key not in known:
+                raise SplitConfigError(
+                    f"unknown ddp_split option {key!r} (value {options[key]!r}); "
+                    f"valid options are {', '.join(known)}."
+                )
+        return cls(**options)
+
+    def caps(self, ddp_module: torch.nn.Module | None = None) -> BucketCaps:
+        """Resolve capacities in bytes, reading the active DDP module where options are unset."""
+        if self.bucket_cap_mb is not None:
+            cap = int(self.bucket_cap_mb * MIB)
+        elif ddp_module is not None and hasattr(ddp_module, "bucket_bytes_cap"):
+            cap = int(ddp_module.bucket_bytes_cap)
+        else:
+            cap = int(DDP_DEFAULT_BUCKET_CAP_MB * MIB)
+        cap = max(cap, 1)
+        if self.first_bucket_cap_mb is not None:
+            first = int(self.first_bucket_cap_mb * MIB)
+        else:
+            first = _ddp_first_bucket_bytes()
+            bucket_config = getattr(ddp_module, "_bucket_config", None)
+            if self.bucket_cap_mb is None and bucket_config is not None:
+                first = int(bucket_config.first_bucket_bytes_cap)
+        return BucketCaps(first_bytes=max(1, min(first, cap)), bytes=cap)
+
+
+def _check_size(name: str, value: object) -> None:
+    if value is None:
+        return
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or value <= 0:  # type: ignore[arg-type]
+        raise SplitConfigError(
+            f"ddp_split option {name!r} must be a positive, finite number of MiB, got "
+            f"{value!r}. Use e.g. {name}=25, or leave it out for DDP's default."
+        )
+
+
+def available_backends() -> list[str]:
+    """Every registered Dynamo backend name a piece can be compiled with."""
+    return sorted(set(torch._dynamo.list_backends(exclude_tags=())) - {BACKEND_NAME})
+
+
+def _check_inner(inner: object) -> None:
+    if callable(inner) and not isinstance(inner, str):
+        return
+    if not isinstance(inner, str):
+        raise SplitConfigError(
+            f"ddp_split option 'inner' must be a backend name or a callable, got "
+            f"{type(inner).__name__} {inner!r}. Use e.g. inner='inductor'."
+        )
+    if inner == BACKEND_NAME:
+        raise SplitConfigError(
+            "ddp_split option 'inner'='ddp_split' would split every piece again; choose the "
+            "backend that compiles each piece, e.g. inner='inductor' or inner='aot_eager'."
+        )
+    choices = available_backends()
+    if inner not in choices:
+        raise SplitConfigError(
+            f"ddp_split option 'inner'={inner!r} is not a registered backend; "
+            f"valid choices: {', '.join(choices)}, or a callable (gm, example_inputs) -> fn."
+        )

@@ -1,0 +1,168 @@
+"""Which trainable parameters each node of a Dynamo graph uses, and their user-facing names.
+
+Parameters reach a Dynamo graph as placeholders (inlined nn modules, the default), as
+``get_attr`` nodes, or hidden inside ``call_module`` / ``call_method`` nodes on submodules.
+Names are the user's module FQNs (``net.0.weight``), not Dynamo's placeholder names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+__all__ = ["ParamUse", "ParamTable", "find_params"]
+
+
+@dataclass(frozen=True, slots=True)
+class ParamUse:
+    """A trainable parameter and where its gradient becomes complete."""
+
+    name: str
+    nbytes: int
+    first_use: int
+    """Index (in the planner's node list) of the first node that uses it; backward reaches
+    that node last, so the gradient is complete there."""
+
+
+@dataclass(frozen=True, slots=True)
+class ParamTable:
+    """Trainable parameters of a graph, grouped by the node that completes them."""
+
+    params: tuple[ParamUse, ...]
+    ignored: tuple[str, ...]
+    """Parameters skipped because DDP was told to ignore them."""
+
+    def completed_at(self) -> dict[int, list[ParamUse]]:
+        by_node: dict[int, list[ParamUse]] = {}
+        for use in self.params:
+            by_node.setdefault(use.first_use, []).append(use)
+        return by_node
+
+
+def _is_ignored(param: torch.Tensor, name: str, ddp_ignored: frozenset[str]) -> bool:
+    return bool(getattr(param, "_ddp_ignored", False)) or name in ddp_ignored
+
+
+def _fqn_from_source(source: Any) -> str | None:
+    """``net.0.weight`` from a Dynamo source chain such as ``L['self']._modules['net']...``."""
+    parts: list[str] = []
+    while source is not None:
+        member = getattr(source, "member", None)
+        index = getattr(source, "index", None)
+        if isinstance(member, str):
+            parts.append(member)
+        elif isinstance(index, (str, int)) and not isinstance(index, bool):
+            parts.append(str(index))
+        source = getattr(source, "base", None)
+    names = [p for p in reversed(parts) if p not in ("_modules", "_parameters", "_buffers")]
+    return ".".join(names) if names else None
+
+
+def _placeholder_value(node: fx.Node, example: object) -> object:
+    grapharg = node.meta.get("grapharg")
+    if grapharg is not None:
+        try:
+            real = grapharg.example
+        except Exception:  # the weak reference may be gone
+            real = None
+        if real is not None:
+            return real
+    if isinstance(example, torch.Tensor) and not isinstance(
+        example, torch._subclasses.FakeTensor
+    ):
+        return example
+    return node.meta.get("example_value", example)
+
+
+def _placeholder_name(node: fx.Node, value: object, names: dict[int, str]) -> str:
+    known = names.get(id(value))
+    if known is not None:
+        return known
+    grapharg = node.meta.get("grapharg")
+    source = getattr(grapharg, "source", None) or getattr(node, "_dynamo_source", None)
+    return _fqn_from_source(source) or node.name
+
+
+def _module_params(module: torch.nn.Module, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, param in module.named_parameters():
+        yield (f"{prefix}.{name}" if prefix else name), param
+
+
+def _node_inputs(node: fx.Node) -> list[fx.Node]:
+    return list(node.all_input_nodes)
+
+
+def find_params(
+    gm: fx.GraphModule,
+    nodes: Sequence[fx.Node],
+    example_inputs: Sequence[object],
+    *,
+    names: dict[int, str] | None = None,
+    ddp_ignored: frozenset[str] = frozenset(),
+) -> ParamTable:
+    """Trainable parameters used by ``nodes`` (placeholders and output excluded).
+
+    Args:
+        gm: the Dynamo graph.
+        nodes: the planner's node list (forward order, no placeholders, no output).
+        example_inputs: the real inputs Dynamo passed to the backend, one per placeholder.
+        names: ``id(param) -> FQN`` from the user's module (e.g. the active DDP module).
+        ddp_ignored: FQNs DDP was told to ignore.
+
+    Returns:
+        A :class:`ParamTable`; tied parameters appear once, at their first use.
+    """
+    names = names or {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    values: dict[fx.Node, tuple[str, object]] = {}
+    for i, node in enumerate(placeholders):
+        example = example_inputs[i] if i < len(example_inputs) else None
+        value = _placeholder_value(node, example)
+        if isinstance(value, torch.nn.Parameter):
+            values[node] = (_placeholder_name(node, value, names), value)
+
+    first_use: dict[int, tuple[int, str, torch.Tensor]] = {}
+    ignored: dict[int, str] = {}
+
+    def note(index: int, name: str, param: torch.Tensor) -> None:
+        key = id(param)
+        if key in first_use or key in ignored or not param.requires_grad:
+            return
+        name = names.get(key, name)
+        if _is_ignored(param, name, ddp_ignored):
+            ignored[key] = name
+            return
+        first_use[key] = (index, name, param)
+
+    for index, node in enumerate(nodes):
+        for arg in _node_inputs(node):
+            if arg in values:
+                note(index, *values[arg])
+            elif arg.op == "get_attr":
+                attr = _fetch(gm, str(arg.target))
+                if isinstance(attr, torch.nn.Parameter):
+                    note(index, str(arg.target), attr)
+                elif isinstance(attr, torch.nn.Module) and node.op == "call_method":
+                    for name, param in _module_params(attr, str(arg.target)):
+                        note(index, name, param)
+        if node.op == "call_module":
+            submodule = gm.get_submodule(str(node.target))
+            for name, param in _module_params(submodule, str(node.target)):
+                note(index, name, param)
+
+    uses = tuple(
+        ParamUse(name=name, nbytes=param.numel() * param.element_size(), first_use=index)
+        for index, name, param in first_use.values()
+    )
+    return ParamTable(params=uses, ignored=tuple(sorted(ignored.values())))
+
+
+def _fetch(gm: torch.nn.Module, target: str) -> object:
+    obj: object = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj

@@ -1,0 +1,217 @@
+"""Cut a graph into self-contained pieces at the planned positions.
+
+Pieces are contiguous runs of the graph's nodes, so building them is one linear pass. Every
+piece is an ``fx.GraphModule`` that takes the values it reads (original inputs and outputs
+of earlier pieces), returns a tuple of the values later pieces or the graph output need, and
+re-creates the global state of its stretch of the original graph (see
+Note [Global state across pieces] in ``state.py``).
+
+Example::
+
+    >>> split = split_graph(gm, layout, cuts=(5,))
+    >>> print(split.pieces[1].gm.code)  # doctest: +SKIP
+    def forward(self, y, l_w_):
+        _enter_autocast = torch.amp.autocast_mode._enter_autocast('cpu', torch.bfloat16, True, None)
+        ...
+        _exit_autocast = torch.amp.autocast_mode._exit_autocast(_enter_autocast)
+        return (z,)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from .plan import GraphLayout
+from .state import Ambient, PointState, StateKind, grad_after_enter
+
+__all__ = ["Piece", "SplitGraph", "split_graph"]
+
+_SET_GRAD = torch._C._set_grad_enabled
+_SET_FWD_GRAD = torch._C._set_fwd_grad_enabled
+_EXITS = {
+    StateKind.AUTOCAST: torch.amp.autocast_mode._exit_autocast,
+    StateKind.INFERENCE: torch.autograd.grad_mode._exit_inference_mode,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One piece of the split graph; values travel between pieces through numbered slots."""
+
+    index: int
+    gm: fx.GraphModule
+    inputs: tuple[int, ...]
+    """Slots read, in the order of the piece's placeholders."""
+    outputs: tuple[int, ...]
+    """Slots written, in the order of the piece's output tuple."""
+    release: tuple[int, ...]
+    """Slots no later piece reads and the graph does not return: dropped after this piece."""
+
+
+@dataclass(frozen=True, slots=True)
+class SplitGraph:
+    """The pieces of a graph and how their values connect."""
+
+    pieces: tuple[Piece, ...]
+    num_inputs: int
+    """Slots ``0 .. num_inputs - 1`` hold the graph's own inputs."""
+    num_slots: int
+    output_leaves: tuple[int | None, ...]
+    """Per leaf of the graph output: the slot holding it, or ``None`` for a constant."""
+    output_constants: tuple[Any, ...]
+    output_spec: pytree.TreeSpec
+    placeholders: tuple[fx.Node, ...]
+
+
+def _emit_entry(graph: fx.Graph, state: PointState, ambient: Ambient, env: dict) -> None:
+    """Re-create ``state`` from the ambient state at the top of a piece."""
+    grad = ambient.grad
+    for region in state.regions:
+        if region.kind is StateKind.INFERENCE and region.grad_before != grad:
+            graph.call_function(_SET_GRAD, (region.grad_before,))
+            grad = region.grad_before
+        enter = region.enter
+        args = fx.node.map_arg(enter.args, lambda n: env[n])
+        kwargs = fx.node.map_arg(enter.kwargs, lambda n: env[n])
+        replayed = graph.call_function(enter.target, args, kwargs)
+        replayed.meta = dict(enter.meta)
+        env[enter] = replayed
+        grad = grad_after_enter(region.kind, enter, grad)
+    if state.grad != grad:
+        graph.call_function(_SET_GRAD, (state.grad,))
+    if state.fwd_grad != ambient.fwd_grad:
+        graph.call_function(_SET_FWD_GRAD, (state.fwd_grad,))
+
+
+def _emit_exit(graph: fx.Graph, state: PointState, ambient: Ambient, env: dict) -> None:
+    """Undo ``state`` back to the ambient state at the bottom of a piece."""
+    grad = state.grad
+    dual_depth = sum(r.kind is StateKind.DUAL for r in state.regions)
+    for region in reversed(state.regions):
+        if region.kind is StateKind.DUAL:
+            dual_depth -= 1
+            graph.call_function(
+                torch._functorch.predispatch._exit_dual_level, (), {"level": dual_depth}
+            )
+            continue
+        graph.call_function(_EXITS[region.kind], (env[region.enter],))
+        if region.kind is StateKind.INFERENCE:
+            grad = region.grad_before
+    if grad != ambient.grad:
+        graph.call_function(_SET_GRAD, (ambient.grad,))
+    if state.fwd_grad != ambient.fwd_grad:
+        graph.call_function(_SET_FWD_GRAD, (ambient.fwd_grad,))
+
+
+def _fetch_attr(root: torch.nn.Module, target: str) -> Any:
+    obj: Any = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _copy_placeholder(graph: fx.Graph, source: fx.Node) -> fx.Node:
+    placeholder = graph.placeholder(source.name, type_expr=source.type)
+    placeholder.meta = dict(source.meta)
+    dynamo_source = getattr(source, "_dynamo_source", None)
+    if dynamo_source is not None:
+        placeholder._dynamo_source = dynamo_source  # type: ignore[attr-defined]
+    return placeholder
+
+
+def split_graph(gm: fx.GraphModule, layout: GraphLayout, cuts: Sequence[int]) -> SplitGraph:
+    """Build the pieces of ``gm`` for cuts in front of ``layout.nodes[c]`` for ``c`` in ``cuts``.
+
+    Args:
+        gm: the graph to split; it is not modified.
+        layout: ``layout_graph(gm, ...)``.
+        cuts: strictly increasing positions in ``1 .. len(layout.nodes) - 1``.
+
+    Returns:
+        A :class:`SplitGraph` whose pieces, run in order, compute what ``gm`` computes.
+    """
+    nodes = layout.nodes
+    bounds = [0, *cuts, len(nodes)]
+    placeholders = tuple(n for n in gm.graph.nodes if n.op == "placeholder")
+    output_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+
+    piece_of: dict[fx.Node, int] = {}
+    for k in range(len(bounds) - 1):
+        for node in nodes[bounds[k] : bounds[k + 1]]:
+            piece_of[node] = k
+    slot: dict[fx.Node, int] = {ph: i for i, ph in enumerate(placeholders)}
+    last_reader: dict[int, int] = {}
+    region_enters = {r.enter for s in (layout.states[b] for b in bounds) for r in s.regions}
+
+    built: list[tuple[fx.GraphModule, list[int], list[int]]] = []
+    for k in range(len(bounds) - 1):
+        start, stop = bounds[k], bounds[k + 1]
+        graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        inputs: list[fx.Node] = []
+        for node in nodes[start:stop]:
+            for arg in node.all_input_nodes:
+                if arg in env or arg.op == "get_attr" or arg in region_enters:
+                    continue
+                if arg.op == "placeholder" or piece_of.get(arg, k) < k:
+                    env[arg] = _copy_placeholder(graph, arg)
+                    inputs.append(arg)
+        _emit_entry(graph, layout.states[start], layout.ambient, env)
+        attrs: dict[str, Any] = {}
+        for node in nodes[start:stop]:
+            for arg in node.all_input_nodes:
+                if arg.op == "get_attr" and arg not in env:
+                    attrs[str(arg.target)] = _fetch_attr(gm, str(arg.target))
+                    env[arg] = graph.get_attr(str(arg.target))
+                    env[arg].meta = dict(arg.meta)
+            env[node] = graph.node_copy(node, lambda n: env[n])
+        _emit_exit(graph, layout.states[stop], layout.ambient, env)
+        outputs = [
+            n
+            for n in nodes[start:stop]
+            if n not in region_enters
+            and any(u is output_node or piece_of.get(u, k) > k for u in n.users)
+        ]
+        graph.output(tuple(env[n] for n in outputs))
+        for n in outputs:
+            slot[n] = len(slot)
+        in_slots = [slot[n] for n in inputs]
+        for s in in_slots:
+            last_reader[s] = k
+        piece_gm = fx.GraphModule(attrs, graph, class_name=f"DDPSplitPiece{k}")
+        built.append((piece_gm, in_slots, [slot[n] for n in outputs]))
+
+    leaves, spec = pytree.tree_flatten(output_node.args[0])
+    output_leaves = tuple(slot[x] if isinstance(x, fx.Node) else None for x in leaves)
+    output_constants = tuple(None if isinstance(x, fx.Node) else x for x in leaves)
+    returned = {s for s in output_leaves if s is not None}
+    release: dict[int, list[int]] = {}
+    for s, k in last_reader.items():
+        if s not in returned:
+            release.setdefault(k, []).append(s)
+
+    pieces = tuple(
+        Piece(
+            index=k,
+            gm=piece_gm,
+            inputs=tuple(in_slots),
+            outputs=tuple(out_slots),
+            release=tuple(sorted(release.get(k, ()))),
+        )
+        for k, (piece_gm, in_slots, out_slots) in enumerate(built)
+    )
+    return SplitGraph(
+        pieces=pieces,
+        num_inputs=len(placeholders),
+        num_slots=len(slot),
+        output_leaves=output_leaves,
+        output_constants=output_constants,
+        output_spec=spec,
+        placeholders=placeholders,
+    )

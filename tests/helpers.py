@@ -1,0 +1,59 @@
+"""Run a model under eager DDP and under ddp_split, and compare outputs and gradients."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddp_split_backend import DDPSplitBackend, SplitConfig
+
+
+def grads(module: torch.nn.Module) -> list[torch.Tensor]:
+    """Gradients in parameter order; a missing gradient counts as zeros (compiled DDP fills them)."""
+    return [p.grad if p.grad is not None else torch.zeros_like(p) for p in module.parameters()]
+
+
+def compare_with_eager_ddp(
+    make_model: Callable[[], torch.nn.Module],
+    inputs: Sequence[Any],
+    *,
+    backend: DDPSplitBackend | None = None,
+    bucket_cap_mb: float = 25.0,
+    wrap: str = "compile_outside",
+    ddp_kwargs: dict[str, Any] | None = None,
+    atol: float | None = None,
+    rtol: float | None = None,
+) -> tuple[DDPSplitBackend, Any]:
+    """One forward+backward with eager DDP and with ddp_split; assert equal outputs and grads.
+
+    ``wrap``: ``compile_outside`` = ``torch.compile(DDP(m))``; ``compile_inside`` =
+    ``DDP(torch.compile(m))``.
+    """
+    backend = backend or DDPSplitBackend(SplitConfig(inner="aot_eager"))
+    ddp_kwargs = dict(ddp_kwargs or {})
+    torch.manual_seed(0)
+    base = make_model()
+    eager = DDP(copy.deepcopy(base), bucket_cap_mb=bucket_cap_mb, **ddp_kwargs)
+    if wrap == "compile_outside":
+        compiled = torch.compile(DDP(copy.deepcopy(base), bucket_cap_mb=bucket_cap_mb, **ddp_kwargs), backend=backend)
+        target = compiled
+    elif wrap == "compile_inside":
+        target = DDP(torch.compile(copy.deepcopy(base), backend=backend), bucket_cap_mb=bucket_cap_mb, **ddp_kwargs)
+    else:
+        raise ValueError(wrap)
+    expected = eager(*inputs)
+    actual = target(*inputs)
+    tol = {} if atol is None else {"atol": atol, "rtol": rtol}
+    torch.testing.assert_close(actual, expected, **tol)
+    assert actual.dtype == expected.dtype
+    assert actual.requires_grad == expected.requires_grad
+    if expected.requires_grad:
+        expected.float().sum().backward()
+        actual.float().sum().backward()
+        for g_actual, g_expected in zip(grads(target), grads(eager), strict=True):
+            torch.testing.assert_close(g_actual, g_expected, **tol)
+    return backend, actual

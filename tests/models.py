@@ -1,0 +1,101 @@
+"""Small user-defined models for the tests (Dynamo skips bare nn.Sequential under DDP)."""
+
+from __future__ import annotations
+
+import torch
+import torch.autograd.forward_ad as fwAD
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class MLP(nn.Module):
+    def __init__(self, width: int = 64, depth: int = 4, d_in: int | None = None, d_out: int | None = None) -> None:
+        super().__init__()
+        sizes = [d_in or width] + [width] * (depth - 1) + [d_out or width]
+        self.net = nn.Sequential(*[nn.Linear(a, b) for a, b in zip(sizes, sizes[1:])])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.net:
+            x = torch.relu(layer(x))
+        return x
+
+
+class TiedLM(nn.Module):
+    """Embedding tied to the output head: one parameter used first and last."""
+
+    def __init__(self, vocab: int = 64, width: int = 32, depth: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList([nn.Linear(width, width) for _ in range(depth)])
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = x + torch.tanh(block(x))
+        return self.head(x)
+
+
+class StateRegions(nn.Module):
+    """Every state kind Dynamo emits, each region holding layers so cuts can fall inside."""
+
+    def __init__(self, width: int = 32, kind: str = "grad") -> None:
+        super().__init__()
+        self.kind = kind
+        self.layers = nn.ModuleList([nn.Linear(width, width) for _ in range(6)])
+
+    def _stack(self, x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        for layer in self.layers[lo:hi]:
+            x = torch.tanh(layer(x))
+        return x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self._stack(x, 0, 1)
+        if self.kind == "grad":
+            with torch.no_grad():
+                frozen = self._stack(x, 1, 4)
+            x = x + frozen
+        elif self.kind == "enable_grad":
+            with torch.no_grad():
+                with torch.enable_grad():
+                    x = self._stack(x, 1, 4)
+        elif self.kind == "autocast":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                x = self._stack(x, 1, 3)
+                with torch.autocast("cpu", enabled=False):
+                    x = self._stack(x.float(), 3, 4)
+                x = x * 2
+            x = x.float()
+        elif self.kind == "autocast_fp16":
+            with torch.autocast("cpu", dtype=torch.float16):
+                x = self._stack(x, 1, 4)
+            x = x.float()
+        elif self.kind == "inference":
+            with torch.inference_mode():
+                side = self._stack(x, 1, 4)
+            x = x + side.clone()
+        elif self.kind == "dual":
+            with fwAD.dual_level():
+                dual = fwAD.make_dual(x, torch.ones_like(x))
+                tangent = fwAD.unpack_dual(torch.sin(dual)).tangent
+                x = self._stack(x, 1, 4) + tangent
+        elif self.kind == "fwd_grad_off":
+            with fwAD._set_fwd_grad_enabled(False):
+                x = self._stack(x, 1, 4)
+        return self._stack(x, 4, 6)
+
+
+class WithBatchNorm(nn.Module):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.a = nn.Linear(width, width)
+        self.bn = nn.BatchNorm1d(width)
+        self.b = nn.Linear(width, width)
+        self.bn2 = nn.BatchNorm1d(width)
+        self.c = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.bn(self.a(x)))
+        x = F.relu(self.bn2(self.b(x)))
+        return self.c(x)
