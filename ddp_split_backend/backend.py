@@ -24,9 +24,9 @@ from .compile import EAGER_FALLBACK, CompiledPieces, PieceFailure, compile_piece
 from .config import BACKEND_NAME, SplitConfig, SplitConfigError
 from .params import find_params
 from .plan import BucketPlan, SplitPlan, layout_graph, plan_buckets
-from .runtime import StitchedCallable, call_inner, track_state_calls
+from .runtime import GuardedCallable, StitchedCallable, call_inner, track_state_calls
 from .split import split_graph
-from .state import Ambient
+from .state import Ambient, classify
 
 __all__ = ["CompileRecord", "DDPSplitBackend", "ddp_split", "plan_split"]
 
@@ -192,8 +192,10 @@ class DDPSplitBackend:
             )
             failure = PieceFailure(0, error or "")
             self.records.append(CompileRecord(plan, (EAGER_FALLBACK,), (failure,)))
-            return track_state_calls(pristine)
+            return GuardedCallable(track_state_calls(pristine), EAGER_FALLBACK)
         self.records.append(CompileRecord(plan, (inner_name,), ()))
+        if any(classify(n) is not None for n in gm.graph.nodes):
+            return GuardedCallable(compiled, inner_name)
         return compiled
 
     def _warn_ddp_optimizer(self) -> None:

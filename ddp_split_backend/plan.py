@@ -17,9 +17,10 @@ A cut is only placed where both sides can be compiled on their own. It is moved 
   profiler range, or a state-like call we do not know (see Note [Global state across pieces]);
 * crossed by a value that cannot be a graph input: a tuple, an object, a forward-AD dual
   tensor (exiting the dual level at the end of a piece would strip its tangent);
-* crossed by a value that a later piece reads inside an ``inference_mode`` region: as a
-  piece input it would be a graph input there, and AOTAutograd fails on views of graph
-  inputs inside inference mode (plain ``torch.compile`` fails the same way on real inputs);
+* crossed by a value that a later piece views (``detach``, ``view``, ...) inside an
+  ``inference_mode`` region: as a piece input it would be a graph input there, and
+  AOTAutograd fails on views of graph inputs inside inference mode (plain
+  ``torch.compile`` fails the same way on real inputs);
 * crossed by nothing at all: the piece in front would have no output.
 
 Higher-order ops (activation checkpoint, flex_attention's ``score_mod``) are single nodes
@@ -57,7 +58,7 @@ class AdjustReason(enum.Enum):
     NON_TENSOR_VALUE = "a non-tensor value (tuple or object) would cross the cut"
     DUAL_TENSOR = "a forward-AD dual tensor would cross the cut"
     INFERENCE_INPUT = (
-        "a value read inside an inference_mode region would become a piece input "
+        "a value viewed inside an inference_mode region would become a piece input "
         "(AOTAutograd cannot trace views of inputs there)"
     )
     NO_OUTPUT = "the piece in front of the cut would have no output"
@@ -191,6 +192,25 @@ def _unpack_targets() -> tuple[object, ...]:
     return tuple(t for t in (getattr(fp, "_unpack_dual", None), torch._unpack_dual) if t is not None)
 
 
+def _storage_id(value: object) -> int | None:
+    if not isinstance(value, torch.Tensor):
+        return None
+    try:
+        return value.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _aliases_input(user: fx.Node, value: fx.Node) -> bool:
+    """Whether ``user``'s result may share storage with ``value`` (a view, ``detach``, ...)."""
+    out = user.meta.get("example_value", _MISSING)
+    if out is _MISSING or not isinstance(value.meta.get("example_value"), torch.Tensor):
+        return True  # unknown: assume the worst
+    storage = _storage_id(value.meta["example_value"])
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    return any(_storage_id(o) == storage for o in outs if isinstance(o, torch.Tensor))
+
+
 def layout_graph(gm: fx.GraphModule, ambient: Ambient) -> GraphLayout:
     """Simulate global state and find the legal cut positions of ``gm``; linear in its size."""
     nodes = tuple(n for n in gm.graph.nodes if n.op not in ("placeholder", "get_attr", "output"))
@@ -226,7 +246,12 @@ def layout_graph(gm: fx.GraphModule, ambient: Ambient) -> GraphLayout:
             dual[i + 1] += 1
             dual[last + 1] -= 1
         last_inference = max(
-            (index[u] for u in node.users if u in index and in_inference[index[u]]), default=i
+            (
+                index[u]
+                for u in node.users
+                if u in index and in_inference[index[u]] and _aliases_input(u, node)
+            ),
+            default=i,
         )
         if last_inference > i:
             inference_read[i + 1] += 1

@@ -22,6 +22,7 @@ from .split import SplitGraph
 
 __all__ = [
     "GlobalState",
+    "GuardedCallable",
     "StitchedCallable",
     "call_inner",
     "preserve_global_state",
@@ -205,6 +206,23 @@ def track_state_calls(gm: fx.GraphModule) -> fx.GraphModule:
 
 def _piece_error_note(index: int, count: int, name: str) -> str:
     return f"raised in ddp_split piece {index} of {count} (compiled with {name})"
+
+
+class GuardedCallable:
+    """One compiled graph that changes global state: restores the state if it raises."""
+
+    def __init__(self, fn: Callable[..., Any], compiler_name: str) -> None:
+        self._fn = fn
+        self._name = compiler_name
+
+    def __call__(self, *args: Any) -> Any:
+        before = GlobalState.capture()
+        try:
+            return self._fn(*args)
+        except BaseException as error:
+            before.restore()
+            error.add_note(_piece_error_note(0, 1, self._name))
+            raise
 
 
 class StitchedCallable:

@@ -1,0 +1,260 @@
+"""Model shapes DDP users train, where torch's DDPOptimizer is known to break."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.checkpoint as checkpoint
+
+from ddp_split_backend import DDPSplitBackend, SplitConfig
+
+from .conftest import CountingCompiler
+from .helpers import compare_with_eager_ddp, grads
+from .models import MLP, WithBatchNorm
+
+TINY = {"bucket_cap_mb": 0.0001, "first_bucket_cap_mb": 0.0001}  # ~100 bytes: a bucket per layer
+
+
+def _backend(counting: CountingCompiler, **extra) -> DDPSplitBackend:
+    return DDPSplitBackend(SplitConfig(inner=counting, **{**TINY, **extra}))
+
+
+def _check_eager_equal(model: nn.Module, inputs, backend, *, backward=True, atol=None):
+    torch.manual_seed(0)
+    compiled = torch.compile(model, backend=backend)
+    expected = model(*inputs)
+    if backward:
+        expected.sum().backward()
+    expected_grads = [g.clone() for g in grads(model)]
+    model.zero_grad(set_to_none=True)
+    actual = compiled(*inputs)
+    tol = {} if atol is None else {"atol": atol, "rtol": atol}
+    torch.testing.assert_close(actual, expected, **tol)
+    if backward:
+        actual.sum().backward()
+        for a, e in zip(grads(model), expected_grads, strict=True):
+            torch.testing.assert_close(a, e, **tol)
+    return actual
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, width=32):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(width, width) for _ in range(4)])
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            if i % 2:
+                x = checkpoint.checkpoint(lambda t, b=block: torch.tanh(b(t)), x, use_reentrant=False)
+            else:
+                x = torch.tanh(block(x))
+        return x
+
+
+def test_activation_checkpoint(counting) -> None:
+    backend = _backend(counting)
+    _check_eager_equal(Checkpointed(), [torch.randn(4, 32)], backend)
+    assert counting.count == len(backend.records[-1].plan.buckets) >= 3
+
+
+class FlexAttention(nn.Module):
+    def __init__(self, width=16, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.out = nn.Linear(width, width)
+        self.mlp = nn.Linear(width, width)
+
+    def forward(self, x):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+
+        def score_mod(score, b_, h, q_idx, kv_idx):
+            return torch.where(q_idx >= kv_idx, score, -float("inf"))
+
+        y = flex_attention(q, k, v, score_mod=score_mod)
+        y = self.out(y.transpose(1, 2).reshape(b, t, c))
+        return self.mlp(y)
+
+
+def test_flex_attention_score_mod(counting) -> None:
+    """flex_attention has no CPU backward in torch 2.13: forward only (the cut is the point)."""
+    backend = _backend(counting)
+    with torch.no_grad():
+        _check_eager_equal(FlexAttention(), [torch.randn(2, 8, 16)], backend, backward=False, atol=1e-4)
+    assert counting.count == len(backend.records[-1].plan.buckets) >= 2
+
+
+class WithMHA(nn.Module):
+    def __init__(self, width=16):
+        super().__init__()
+        self.inp = nn.Linear(width, width)
+        self.attn = nn.MultiheadAttention(width, 2, batch_first=True)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x):
+        x = self.inp(x)
+        y, _ = self.attn(x, x, x, need_weights=False)
+        return self.out(y)
+
+
+def test_multihead_attention(counting) -> None:
+    backend = _backend(counting)
+    _check_eager_equal(WithMHA(), [torch.randn(2, 5, 16)], backend, atol=1e-5)
+    assert len(backend.records[-1].plan.buckets) >= 2
+
+
+class WithVmap(nn.Module):
+    def __init__(self, width=16):
+        super().__init__()
+        self.a = nn.Linear(width, width)
+        self.b = nn.Linear(width, width)
+        self.c = nn.Linear(width, width)
+
+    def forward(self, x):
+        x = self.a(x)
+        x = torch.vmap(lambda row: torch.tanh(self.b(row)) * 2)(x)
+        return self.c(x)
+
+
+def test_vmap_region_is_never_cut(counting) -> None:
+    backend = _backend(counting)
+    _check_eager_equal(WithVmap(), [torch.randn(4, 16)], backend, atol=1e-5)
+    plan = backend.records[-1].plan
+    assert len(plan.buckets) >= 2
+    for gm in counting.graphs:  # each piece holds a whole vmap region or none of it
+        names = [getattr(n.target, "__name__", "") for n in gm.graph.nodes]
+        assert sum("increment_nesting" in n for n in names) == sum("decrement_nesting" in n for n in names)
+
+
+def test_batchnorm_buffers_match_eager(counting) -> None:
+    torch.manual_seed(0)
+    model = WithBatchNorm()
+    reference = WithBatchNorm()
+    reference.load_state_dict(model.state_dict())
+    compiled = torch.compile(model, backend=_backend(counting))
+    for step in range(3):
+        x = torch.randn(8, 16) + step
+        torch.testing.assert_close(compiled(x), reference(x))
+    for name, buffer in reference.named_buffers():
+        torch.testing.assert_close(dict(model.named_buffers())[name], buffer, msg=name)
+    assert counting.count >= 3
+
+
+def test_dynamic_batch_with_mark_dynamic_compiles_once(counting) -> None:
+    backend = _backend(counting)
+    model = MLP(width=16, depth=4)
+    compiled = torch.compile(model, backend=backend)
+    for batch in (3, 5, 9, 17):
+        x = torch.randn(batch, 16)
+        torch._dynamo.mark_dynamic(x, 0)
+        torch.testing.assert_close(compiled(x), model(x))
+    assert len(backend.records) == 1
+    assert counting.count == len(backend.records[0].plan.buckets) >= 3
+
+
+def test_symint_sizes_cross_pieces(counting) -> None:
+    class Reshaper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+            self.b = nn.Linear(8, 8)
+
+        def forward(self, x):
+            n = x.shape[0]
+            y = self.a(x)
+            return self.b(y).reshape(n * 2, 4).sum(1)
+
+    backend = _backend(counting)
+    model = Reshaper()
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    for batch in (2, 3, 7):
+        x = torch.randn(batch, 8)
+        torch.testing.assert_close(compiled(x), model(x))
+    assert len(backend.records) == 1 and len(backend.records[0].plan.buckets) == 2
+
+
+class Unbacked(nn.Module):
+    def __init__(self, pattern: str):
+        super().__init__()
+        self.pattern = pattern
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 8)
+
+    def forward(self, x, counts):
+        h = self.a(x)
+        if self.pattern == "item":
+            k = counts.sum().item()
+            torch._check_is_size(k)
+            torch._check(k <= h.shape[0])
+            h = self.b(h)
+            return self.c(h[:k]).sum(0)
+        if self.pattern == "tolist":
+            first, second = counts.tolist()[:2]
+            torch._check_is_size(first)
+            torch._check(first <= h.shape[0])
+            h = self.b(h)
+            return self.c(h.narrow(0, 0, first)).sum(0) + second
+        if self.pattern == "nonzero":
+            idx = torch.nonzero(counts)
+            h = self.b(h)
+            picked = h[idx.squeeze(1) % h.shape[0]]
+            return self.c(picked).sum(0)
+        raise ValueError(self.pattern)
+
+
+@pytest.mark.parametrize("pattern", ["item", "tolist", "nonzero"])
+def test_unbacked_symbols_defined_in_one_piece_used_in_another(counting, pattern) -> None:
+    torch._dynamo.config.capture_scalar_outputs = True
+    torch._dynamo.config.capture_dynamic_output_shape_ops = True
+    backend = _backend(counting)
+    model = Unbacked(pattern)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    x = torch.randn(6, 8)
+    counts = torch.tensor([1, 2, 0, 1])
+    torch.testing.assert_close(compiled(x, counts), model(x, counts))
+    assert len(backend.records) == 1
+    plan = backend.records[0].plan
+    assert len(plan.buckets) >= 2, plan.table()
+    assert not backend.records[0].failures
+
+
+def test_inner_failure_on_one_piece_runs_it_eagerly(counting) -> None:
+    failing = CountingCompiler(fail_on={1})
+    backend = DDPSplitBackend(SplitConfig(inner=failing, **TINY))
+    model = MLP(width=16, depth=4)
+    with pytest.warns(UserWarning, match=r"failed on piece 1 of 4.*planned failure"):
+        _check_eager_equal(model, [torch.randn(3, 16)], backend)
+    record = backend.records[-1]
+    assert record.compiled_by[1] == "eager (fallback)"
+    assert [c for i, c in enumerate(record.compiled_by) if i != 1] == [failing.__name__] * 3
+    assert [f.piece for f in record.failures] == [1]
+
+
+def test_runtime_error_names_the_piece_and_restores_state(counting) -> None:
+    class Fails(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+            self.b = nn.Linear(8, 8)
+
+        def forward(self, x, index):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                h = self.a(x)
+                with torch.no_grad():
+                    h = self.b(h)
+                    return torch.index_select(h, 0, index)
+
+    backend = DDPSplitBackend(SplitConfig(inner="eager", **TINY))
+    compiled = torch.compile(Fails(), backend=backend)
+    compiled(torch.randn(4, 8), torch.tensor([0, 1]))
+    with pytest.raises(Exception) as info:
+        compiled(torch.randn(4, 8), torch.tensor([0, 99]))
+    assert any("ddp_split piece" in note for note in getattr(info.value, "__notes__", []))
+    assert torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
+    assert torch.ones(3).sum().item() == 3.0

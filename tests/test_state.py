@@ -1,0 +1,144 @@
+"""Every global-state kind Dynamo emits, with a cut inside its region: results equal eager,
+the region is re-created inside the piece (so it holds at compile time too), and the state
+after the call equals the state before."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from ddp_split_backend import DDPSplitBackend, SplitConfig
+from ddp_split_backend.runtime import GlobalState
+from ddp_split_backend.state import StateKind, classify
+
+from .helpers import compare_with_eager_ddp
+from .models import StateRegions
+
+STATE_TARGET_NAMES = {
+    "grad": "_set_grad_enabled",
+    "enable_grad": "_set_grad_enabled",
+    "autocast": "_enter_autocast",
+    "autocast_fp16": "_enter_autocast",
+    "inference": "_enter_inference_mode",
+    "dual": "_enter_dual_level",
+    "fwd_grad_off": "_set_fwd_grad_enabled",
+}
+
+
+def _targets(gm) -> list[str]:
+    return [getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes if n.op == "call_function"]
+
+
+@pytest.mark.parametrize("kind", sorted(STATE_TARGET_NAMES), ids=str)
+@pytest.mark.parametrize("ambient_grad", [True, False], ids=["grad_on", "grad_off"])
+def test_state_region_across_cut_matches_eager(world1, counting, kind: str, ambient_grad: bool) -> None:
+    torch._dynamo.config.optimize_ddp = False
+    backend = DDPSplitBackend(SplitConfig(inner=counting, bucket_cap_mb=0.001, first_bucket_cap_mb=0.001))
+    x = torch.randn(4, 32)
+    before = GlobalState.capture()
+    with torch.set_grad_enabled(ambient_grad):
+        compare_with_eager_ddp(lambda: StateRegions(kind=kind), [x], backend=backend, bucket_cap_mb=0.001)
+    assert GlobalState.capture() == before
+    plan = backend.records[-1].plan
+    assert len(plan.buckets) >= 3, plan.table()
+    # Some piece other than the one holding the region's entry re-creates the state itself.
+    name = STATE_TARGET_NAMES[kind]
+    if (kind, ambient_grad) in {("enable_grad", True), ("grad", False)}:
+        return  # Dynamo drops the no-op state change: nothing to re-create
+    holders = [i for i, gm in enumerate(counting.graphs) if name in _targets(gm)]
+    assert len(holders) >= 2, (kind, [(_targets(g)) for g in counting.graphs])
+
+
+def test_nested_autocast_cut_inside_inner_region_replays_both(counting) -> None:
+    model = StateRegions(kind="autocast")
+    backend = DDPSplitBackend(SplitConfig(inner=counting, bucket_cap_mb=0.001, first_bucket_cap_mb=0.001))
+    out = torch.compile(model, backend=backend)(torch.randn(4, 32))
+    torch.testing.assert_close(out, model(torch.randn(4, 32)) * 0 + out)  # runs
+    nested = [
+        gm for gm in counting.graphs
+        if sum(t == "_enter_autocast" for t in _targets(gm)) == 2
+        and sum(t == "_exit_autocast" for t in _targets(gm)) == 2
+    ]
+    assert nested, "a piece cut inside the nested region must re-enter both autocast regions"
+    for gm in counting.graphs:  # every piece is balanced: it leaves the ambient state
+        targets = _targets(gm)
+        assert targets.count("_enter_autocast") == targets.count("_exit_autocast")
+
+
+def test_piece_state_holds_at_compile_time(counting) -> None:
+    """The inner backend traces each piece on its own: autocast must be set inside it."""
+    seen = []
+
+    def tracing_inner(gm, example_inputs):
+        from torch._dynamo.backends.common import aot_autograd
+
+        def fw(g, inputs):
+            seen.append([n.meta.get("val").dtype for n in g.graph.nodes
+                         if n.op == "call_function" and "mm" in str(n.target) and "val" in n.meta])
+            return g
+
+        return aot_autograd(fw_compiler=fw)(gm, example_inputs)
+
+    model = StateRegions(kind="autocast_fp16")
+    backend = DDPSplitBackend(SplitConfig(inner=tracing_inner, bucket_cap_mb=0.001, first_bucket_cap_mb=0.001))
+    torch.compile(model, backend=backend)(torch.randn(4, 32))
+    dtypes = [d for piece in seen for d in piece]
+    assert dtypes.count(torch.float16) == 3, dtypes  # the three layers inside the region
+
+
+def test_ambient_autocast_is_respected(counting) -> None:
+    model = StateRegions(kind="grad")
+    backend = DDPSplitBackend(SplitConfig(inner=counting, bucket_cap_mb=0.001, first_bucket_cap_mb=0.001))
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(4, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(x)
+        actual = compiled(x)
+        assert torch.is_autocast_enabled("cpu")
+    assert actual.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(actual, expected)
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_classify_treats_unknown_state_calls_as_opaque() -> None:
+    def _enter_custom_mode(): ...
+    def _exit_custom_mode(token): ...
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    enter = graph.call_function(_enter_custom_mode)
+    y = graph.call_function(torch.sin, (x,))
+    graph.call_function(_exit_custom_mode, (enter,))
+    graph.output(y)
+    kinds = [classify(n) for n in graph.nodes]
+    assert kinds[1].kind is StateKind.OPAQUE and kinds[3].kind is StateKind.OPAQUE
+    assert kinds[2] is None
+
+
+def test_unknown_state_region_blocks_cuts(counting) -> None:
+    """A cut never falls between an unknown state call's enter and exit."""
+    from ddp_split_backend.plan import layout_graph
+    from ddp_split_backend.state import Ambient
+
+    def _enter_custom_mode():
+        return None
+
+    def _exit_custom_mode(token):
+        return None
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    a = graph.call_function(torch.sin, (x,))
+    enter = graph.call_function(_enter_custom_mode)
+    b = graph.call_function(torch.cos, (a,))
+    c = graph.call_function(torch.tan, (b,))
+    graph.call_function(_exit_custom_mode, (enter,))
+    d = graph.call_function(torch.exp, (c,))
+    graph.output(d)
+    layout = layout_graph(torch.fx.GraphModule(nn.Module(), graph), Ambient.capture())
+    names = [n.name for n in layout.nodes]
+    blocked = {names[i]: r for i, r in enumerate(layout.blocked)}
+    assert blocked["cos"] is not None and blocked["tan"] is not None
+    assert blocked["_exit_custom_mode"] is not None
+    assert blocked["exp"] is None
