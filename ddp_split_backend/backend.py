@@ -59,9 +59,14 @@ def _ddp_names(ddp_module: torch.nn.Module | None) -> tuple[dict[int, str], froz
     inner = getattr(ddp_module, "module", ddp_module)
     names: dict[int, str] = {}
     for name, param in inner.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), name)
-    ignored = frozenset(getattr(ddp_module, "parameters_to_ignore", ()) or ())
+        names.setdefault(id(param), _user_fqn(name))
+    ignored = frozenset(_user_fqn(n) for n in getattr(ddp_module, "parameters_to_ignore", ()) or ())
     return names, ignored
+
+
+def _user_fqn(name: str) -> str:
+    """``net.0.weight`` also when DDP wraps a compiled module (``_orig_mod.net.0.weight``)."""
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
 
 
 def _is_ddp_optimizer_piece(gm: fx.GraphModule) -> bool:
