@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
+from .ddp_cases import CASES, run_all_cases
 from .multiproc import run_ranks
 
 
@@ -47,3 +49,38 @@ def test_two_ranks_autocast_sgd_matches_eager_ddp(tmp_path) -> None:
             torch.testing.assert_close(a, e, atol=2e-3, rtol=2e-3)
     for a, b in zip(results[0]["split"], results[1]["split"], strict=True):
         torch.testing.assert_close(a, b, atol=0, rtol=0)  # allreduce kept the ranks identical
+
+
+@pytest.fixture(scope="module")
+def case_results(tmp_path_factory) -> list[dict]:
+    """All DDP cases in one 2-rank run (one process start-up for all of them)."""
+    return run_ranks(run_all_cases, tmp_path_factory.mktemp("ddp_cases"), world=2, timeout=480)
+
+
+TOLERANCE = {"gpt_autocast": 5e-3}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_ddp_case_matches_eager_on_every_rank(case_results, case: str) -> None:
+    per_rank = [r[case] for r in case_results]
+    for rank, result in enumerate(per_rank):
+        assert result["diff"] <= TOLERANCE.get(case, 1e-5), (case, rank, result["diff"])
+        assert min(result["pieces"]) >= 2, (case, result["pieces"])
+    assert per_rank[0]["pieces"] == per_rank[1]["pieces"], "every rank compiles the same pieces"
+    for a, b in zip(per_rank[0]["params"], per_rank[1]["params"], strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    if case == "recompile":
+        assert per_rank[0]["graphs"] == 2  # a new batch size compiled once more
+    if case == "find_unused":
+        assert per_rank[0]["graphs"] == 2  # one graph per branch
+
+
+def test_pieces_agree_with_ddp_reducer_buckets(case_results) -> None:
+    """After its first iteration DDP rebuilds buckets in gradient-ready order; the pieces
+    should be exactly those buckets."""
+    report = {case: (r[case]["matched"], r[case]["plan_pieces"]) for case, r in [(c, case_results[0]) for c in CASES]}
+    print("pieces matching a reducer bucket (matched, pieces):", report)
+    matched = sum(m for m, _ in report.values())
+    total = sum(n for _, n in report.values())
+    assert report["plain"][0] == report["plain"][1], report
+    assert matched >= 0.75 * total, report
