@@ -10,6 +10,7 @@ from .backend import CompileRecord, DDPSplitBackend, ddp_split, plan_split
 from .compile import PieceFailure
 from .config import SplitConfig, SplitConfigError
 from .ddp_mode import own_split
+from .explain import ExplainResult, explain
 from .plan import AdjustReason, BoundaryAdjustment, BucketPlan, SplitPlan
 
 __all__ = [
@@ -18,11 +19,13 @@ __all__ = [
     "BucketPlan",
     "CompileRecord",
     "DDPSplitBackend",
+    "ExplainResult",
     "PieceFailure",
     "SplitConfig",
     "SplitConfigError",
     "SplitPlan",
     "ddp_split",
+    "explain",
     "own_split",
     "plan_split",
 ]

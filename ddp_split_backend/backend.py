@@ -11,7 +11,6 @@ Example::
 from __future__ import annotations
 
 import collections
-import logging
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -22,15 +21,15 @@ import torch.fx as fx
 
 from .compile import EAGER_FALLBACK, CompiledPieces, PieceFailure, compile_pieces, copy_module
 from .config import BACKEND_NAME, SplitConfig, SplitConfigError
+from .diagnostics import log_compiled
 from .params import find_params
-from .plan import BucketPlan, SplitPlan, layout_graph, plan_buckets
+from .plan import BucketPlan, GraphLayout, SplitPlan, layout_graph, plan_buckets
 from .runtime import GuardedCallable, StitchedCallable, call_inner, track_state_calls
 from .split import split_graph
 from .state import Ambient, classify
 
 __all__ = ["CompileRecord", "DDPSplitBackend", "ddp_split", "plan_split"]
 
-log = logging.getLogger("ddp_split_backend")
 
 _DDP_OPTIMIZER_MARK = "DDPOptimizer"
 
@@ -69,6 +68,12 @@ def _user_fqn(name: str) -> str:
     return ".".join(part for part in name.split(".") if part != "_orig_mod")
 
 
+def _graph_name(index: int) -> str:
+    """``graph 3 [1/0]``: our count, and Dynamo's frame/recompile id when compiling under it."""
+    compile_id = torch._guards.CompileContext.current_compile_id()
+    return f"graph {index} [{compile_id}]" if compile_id is not None else f"graph {index}"
+
+
 def _is_ddp_optimizer_piece(gm: fx.GraphModule) -> bool:
     reason = getattr(gm, "compile_subgraph_reason", None)
     return _DDP_OPTIMIZER_MARK in str(getattr(reason, "reason", reason or ""))
@@ -93,12 +98,22 @@ def plan_split(
     Returns:
         The :class:`SplitPlan`.
     """
-    config = config or SplitConfig()
+    return _plan_with_layout(gm, example_inputs, config or SplitConfig(), ddp_module, graph_name)[0]
+
+
+def _plan_with_layout(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    config: SplitConfig,
+    ddp_module: torch.nn.Module | None,
+    graph_name: str,
+) -> tuple[SplitPlan, GraphLayout]:
     ddp_module = ddp_module if ddp_module is not None else _active_ddp_module()
     names, ignored = _ddp_names(ddp_module)
     layout = layout_graph(gm, Ambient.capture())
     params = find_params(gm, layout.nodes, example_inputs, names=names, ddp_ignored=ignored)
-    return plan_buckets(layout, params, config.caps(ddp_module), graph_name=graph_name)
+    plan = plan_buckets(layout, params, config.caps(ddp_module), graph_name=graph_name)
+    return plan, layout
 
 
 def _resolve_inner(inner: str | Callable[..., Any]) -> tuple[Callable[..., Any], str]:
@@ -156,7 +171,7 @@ class DDPSplitBackend:
             )
         config = self.config if options is None else SplitConfig.from_options(options)
         inner, inner_name = _resolve_inner(config.inner)
-        graph_name = f"graph {len(self.records)}"
+        graph_name = _graph_name(len(self.records))
 
         if _is_ddp_optimizer_piece(gm):
             self._warn_ddp_optimizer()
@@ -168,15 +183,14 @@ class DDPSplitBackend:
             )
             return self._compile_whole(gm, example_inputs, inner, inner_name, plan)
 
-        plan = plan_split(gm, example_inputs, config=config, graph_name=graph_name)
-        log.info("%s", plan.table())
+        plan, layout = _plan_with_layout(gm, example_inputs, config, None, graph_name)
         if len(plan.buckets) == 1:
             return self._compile_whole(gm, example_inputs, inner, inner_name, plan)
 
-        layout = layout_graph(gm, Ambient.capture())
         split = split_graph(gm, layout, plan.cuts)
         compiled: CompiledPieces = compile_pieces(split, example_inputs, inner, inner_name)
         self.records.append(CompileRecord(plan, compiled.compiled_by, compiled.failures))
+        log_compiled(plan, split, compiled.compiled_by)
         return StitchedCallable(split, compiled.callables, compiled.compiled_by)
 
     def _compile_whole(
@@ -197,8 +211,10 @@ class DDPSplitBackend:
             )
             failure = PieceFailure(0, error or "")
             self.records.append(CompileRecord(plan, (EAGER_FALLBACK,), (failure,)))
+            log_compiled(plan, None, (EAGER_FALLBACK,))
             return GuardedCallable(track_state_calls(pristine), EAGER_FALLBACK)
         self.records.append(CompileRecord(plan, (inner_name,), ()))
+        log_compiled(plan, None, (inner_name,))
         if any(classify(n) is not None for n in gm.graph.nodes):
             return GuardedCallable(compiled, inner_name)
         return compiled

@@ -10,7 +10,6 @@ backend cannot compile runs eagerly; the others stay compiled.
 from __future__ import annotations
 
 import contextlib
-import logging
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -26,8 +25,6 @@ from .runtime import call_inner, preserve_global_state, track_state_calls
 from .split import SplitGraph
 
 __all__ = ["EAGER_FALLBACK", "CompiledPieces", "PieceFailure", "compile_pieces", "copy_module"]
-
-log = logging.getLogger("ddp_split_backend")
 
 CompilerFn = Callable[[fx.GraphModule, list[Any]], Callable[..., Any]]
 

@@ -48,6 +48,7 @@ __all__ = [
     "BucketPlan",
     "GraphLayout",
     "SplitPlan",
+    "StateSpan",
     "layout_graph",
     "plan_buckets",
 ]
@@ -103,6 +104,17 @@ class BucketPlan:
 
 
 @dataclass(frozen=True, slots=True)
+class StateSpan:
+    """A stretch of the graph under some global state (for pictures and tables)."""
+
+    kind: str
+    """``autocast``, ``inference mode``, ``forward-AD dual level``, ``grad mode`` (grad mode
+    differs from the ambient one), ``forward-AD grad mode`` or ``uncuttable region``."""
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True, slots=True)
 class SplitPlan:
     """Where one Dynamo graph is cut. Returned by :func:`ddp_split_backend.plan_split`."""
 
@@ -112,6 +124,7 @@ class SplitPlan:
     node_count: int
     ignored_params: tuple[str, ...] = ()
     graph_name: str = ""
+    state_spans: tuple[StateSpan, ...] = ()
     source: str = "ddp_split"
     """``ddp_split`` for our own plan; ``DDPOptimizer piece`` when torch's DDPOptimizer had
     already cut the graph and the piece was compiled whole."""
@@ -279,6 +292,35 @@ def layout_graph(gm: fx.GraphModule, ambient: Ambient) -> GraphLayout:
     return GraphLayout(nodes=nodes, states=tuple(states), blocked=tuple(blocked), ambient=ambient)
 
 
+def state_spans(layout: GraphLayout) -> tuple[StateSpan, ...]:
+    """Where each region, changed grad mode and uncuttable stretch begins and ends."""
+    spans: list[StateSpan] = []
+    open_at: dict[object, int] = {}
+    states = layout.states
+    for i, state in enumerate(states):
+        keys: dict[object, str] = {r.enter: r.kind.value for r in state.regions}
+        if state.grad != layout.ambient.grad:
+            keys["grad"] = StateKind.GRAD.value
+        if state.fwd_grad != layout.ambient.fwd_grad:
+            keys["fwd_grad"] = StateKind.FWD_GRAD.value
+        if not state.cuttable:
+            keys["opaque"] = StateKind.OPAQUE.value
+        for key in list(open_at):
+            if key not in keys:
+                spans.append(StateSpan(kind=_span_kind(key, states, open_at[key]), start=open_at.pop(key), stop=i))
+        for key in keys:
+            open_at.setdefault(key, i)
+    for key, start in open_at.items():
+        spans.append(StateSpan(kind=_span_kind(key, states, start), start=start, stop=len(states) - 1))
+    return tuple(sorted(spans, key=lambda s: (s.start, s.stop)))
+
+
+def _span_kind(key: object, states: Sequence[PointState], start: int) -> str:
+    if isinstance(key, fx.Node):
+        return next(r.kind.value for r in states[start].regions if r.enter is key)
+    return {"grad": StateKind.GRAD, "fwd_grad": StateKind.FWD_GRAD, "opaque": StateKind.OPAQUE}[key].value  # type: ignore[index]
+
+
 def plan_buckets(
     layout: GraphLayout,
     params: ParamTable,
@@ -352,4 +394,5 @@ def plan_buckets(
         node_count=count,
         ignored_params=params.ignored,
         graph_name=graph_name,
+        state_spans=state_spans(layout),
     )

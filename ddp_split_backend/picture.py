@@ -1,0 +1,61 @@
+"""Draw plans with matplotlib: one row per graph, buckets as bars along the graph."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from .plan import SplitPlan
+
+__all__ = ["draw_plans"]
+
+_SPAN_COLORS = {
+    "autocast": "#f4a261",
+    "inference mode": "#8ecae6",
+    "forward-AD dual level": "#b5e48c",
+    "grad mode": "#cdb4db",
+    "forward-AD grad mode": "#ffafcc",
+    "uncuttable region": "#adb5bd",
+}
+
+
+def draw_plans(plans: Sequence[SplitPlan], path: Path) -> Path:
+    """Write a PNG: x = node position in the graph, bar height = bucket bytes (MiB); dashed
+    lines are cuts, red triangles cuts that were moved, shaded bands global-state regions."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    rows = max(1, len(plans))
+    fig, axes = plt.subplots(rows, 1, figsize=(11, 2.8 * rows), squeeze=False)
+    for ax, plan in zip(axes[:, 0], plans):
+        top = max((b.nbytes for b in plan.buckets), default=1) / 2**20 or 1.0
+        for span in plan.state_spans:
+            ax.axvspan(span.start, span.stop, ymin=0.9, ymax=1.0, color=_SPAN_COLORS.get(span.kind, "#ddd"))
+        for b in plan.buckets:
+            height = b.nbytes / 2**20
+            ax.bar(b.start, height, width=max(b.node_count, 0.5), align="edge",
+                   color="#2a9d8f" if b.piece % 2 else "#264653", edgecolor="white")
+            label = f"bucket {b.bucket}\n{b.nbytes / 2**20:.2f} MiB\n{len(b.params)} params"
+            ax.text(b.start + b.node_count / 2, height + top * 0.02, label, ha="center", va="bottom", fontsize=7)
+            if b.piece:
+                ax.axvline(b.start, color="black", linestyle="--", linewidth=0.8)
+            if b.adjustments:
+                ax.plot([b.start], [top * 1.05], marker="v", color="#e63946")
+        ax.set_xlim(0, max(plan.node_count, 1))
+        ax.set_ylim(0, top * 1.45)
+        ax.set_ylabel("bucket MiB")
+        ax.set_title(f"{plan.graph_name}: {len(plan.buckets)} pieces, cap {plan.caps.bytes / 2**20:.2f} MiB "
+                     f"({plan.source})", fontsize=9)
+    axes[-1, 0].set_xlabel("node position in the graph (forward order; backward runs right to left)")
+    kinds = sorted({s.kind for p in plans for s in p.state_spans})
+    if kinds:
+        fig.legend(handles=[Patch(color=_SPAN_COLORS.get(k, "#ddd"), label=k) for k in kinds],
+                   loc="upper right", fontsize=7, ncol=len(kinds))
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

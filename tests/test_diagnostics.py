@@ -1,0 +1,103 @@
+"""Diagnostics: TORCH_LOGS tables, tlparse artifacts, explain() and its picture, the CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from ddp_split_backend import DDPSplitBackend, SplitConfig, explain
+
+from .models import MLP, StateRegions
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SCRIPT = """
+import torch
+from tests.models import MLP
+from ddp_split_backend import DDPSplitBackend, SplitConfig
+backend = DDPSplitBackend(SplitConfig(inner="aot_eager", bucket_cap_mb=0.02))
+torch.compile(MLP(width=64, depth=3), backend=backend)(torch.randn(2, 64))
+"""
+
+
+def _run(env_extra: dict[str, str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **env_extra}
+    return subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300, check=True)
+
+
+def test_torch_logs_prints_fqn_bucket_table() -> None:
+    out = _run({"TORCH_LOGS": "ddp_split"}).stderr
+    assert "ddp_split plan graph 0" in out
+    assert "net.0.weight, net.0.bias" in out and "net.2.weight, net.2.bias" in out
+    assert "compiled by: aot_eager" in out
+    assert "def forward" not in out  # piece code only at +ddp_split
+
+
+def test_torch_logs_plus_adds_piece_code_and_composes() -> None:
+    out = _run({"TORCH_LOGS": "+ddp_split,graph_breaks"}).stderr
+    assert "ddp_split plan graph 0" in out
+    assert "piece 1" in out and "def forward" in out
+
+
+def test_trace_structured_artifacts_are_written(tmp_path) -> None:
+    _run({"TORCH_TRACE": str(tmp_path)})
+    text = "".join(p.read_text() for p in tmp_path.glob("*"))
+    assert '"name": "ddp_split_plan"' in text
+    assert '"name": "ddp_split_piece_0"' in text and '"name": "ddp_split_piece_2"' in text
+
+
+def test_explain_returns_the_plan_the_backend_used(counting) -> None:
+    model = StateRegions(kind="autocast")
+    x = torch.randn(4, 32)
+    options = {"bucket_cap_mb": 0.001, "first_bucket_cap_mb": 0.001}
+    backend = DDPSplitBackend(SplitConfig(inner=counting, **options))
+    torch.compile(model, backend=backend)(x)
+    result = explain(model, x, **options)
+    assert len(result.plans) == 1
+    used, explained = backend.records[-1].plan, result.plans[0]
+    assert explained.buckets == used.buckets
+    assert explained.state_spans == used.state_spans
+    assert any(s.kind == "autocast" for s in explained.state_spans)
+
+
+def test_explain_shows_each_dynamo_graph_after_a_graph_break() -> None:
+    class Breaks(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = MLP(width=32, depth=2)
+            self.b = MLP(width=32, depth=2)
+
+        def forward(self, x):
+            x = self.a(x)
+            torch._dynamo.graph_break()
+            return self.b(x)
+
+    result = explain(Breaks(), torch.randn(2, 32), bucket_cap_mb=0.001, first_bucket_cap_mb=0.001)
+    assert len(result.plans) == 2
+    assert result.plans[0].buckets[0].params[0] == "a.net.0.weight"
+    assert result.plans[1].buckets[0].params[0] == "b.net.0.weight"
+    assert "graph 0" in result.table() and "graph 1" in result.table()
+
+
+def test_png_is_drawn(tmp_path) -> None:
+    result = explain(StateRegions(kind="inference"), torch.randn(4, 32), bucket_cap_mb=0.001, first_bucket_cap_mb=0.001)
+    path = result.render_png(tmp_path / "plan.png")
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_cli_explain(tmp_path) -> None:
+    png = tmp_path / "cli.png"
+    out = subprocess.run(
+        [sys.executable, "-m", "ddp_split_backend", "explain", "tests.test_plan:ToyModel",
+         "--input-shape", "4,10", "--png", str(png)],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+        timeout=300, check=True,
+    ).stdout
+    assert "3 pieces" in out and "net.2.weight" in out
+    assert png.exists()
