@@ -33,6 +33,7 @@ def _run(env_extra: dict[str, str]) -> subprocess.CompletedProcess:
 def test_torch_logs_prints_fqn_bucket_table() -> None:
     out = _run({"TORCH_LOGS": "ddp_split"}).stderr
     assert "ddp_split plan graph 0" in out
+    assert "2 pieces" in out
     assert "net.0.weight, net.0.bias" in out and "net.2.weight, net.2.bias" in out
     assert "compiled by: aot_eager" in out
     assert "def forward" not in out  # piece code only at +ddp_split
@@ -48,7 +49,7 @@ def test_trace_structured_artifacts_are_written(tmp_path) -> None:
     _run({"TORCH_TRACE": str(tmp_path)})
     text = "".join(p.read_text() for p in tmp_path.glob("*"))
     assert '"name": "ddp_split_plan"' in text
-    assert '"name": "ddp_split_piece_0"' in text and '"name": "ddp_split_piece_2"' in text
+    assert '"name": "ddp_split_piece_0"' in text and '"name": "ddp_split_piece_1"' in text
 
 
 def test_explain_returns_the_plan_the_backend_used(counting) -> None:
