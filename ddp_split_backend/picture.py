@@ -19,6 +19,13 @@ _SPAN_COLORS = {
 }
 
 
+def _size(nbytes: int) -> str:
+    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} B"
+
+
 def draw_plans(plans: Sequence[SplitPlan], path: Path) -> Path:
     """Write a PNG: x = node position in the graph, bar height = bucket bytes (MiB); dashed
     lines are cuts, red triangles cuts that were moved, shaded bands global-state regions."""
@@ -32,22 +39,26 @@ def draw_plans(plans: Sequence[SplitPlan], path: Path) -> Path:
     fig, axes = plt.subplots(rows, 1, figsize=(11, 2.8 * rows), squeeze=False)
     for ax, plan in zip(axes[:, 0], plans):
         top = max((b.nbytes for b in plan.buckets), default=1) / 2**20 or 1.0
+        lanes = sorted({span.kind for span in plan.state_spans})
+        lane = 0.12 / max(1, len(lanes))
         for span in plan.state_spans:
-            ax.axvspan(span.start, span.stop, ymin=0.9, ymax=1.0, color=_SPAN_COLORS.get(span.kind, "#ddd"))
+            low = 0.88 + lane * lanes.index(span.kind)
+            ax.axvspan(span.start, span.stop, ymin=low, ymax=low + lane * 0.9,
+                       color=_SPAN_COLORS.get(span.kind, "#ddd"))
         for b in plan.buckets:
             height = b.nbytes / 2**20
             ax.bar(b.start, height, width=max(b.node_count, 0.5), align="edge",
                    color="#2a9d8f" if b.piece % 2 else "#264653", edgecolor="white")
-            label = f"bucket {b.bucket}\n{b.nbytes / 2**20:.2f} MiB\n{len(b.params)} params"
+            label = f"bucket {b.bucket}\n{_size(b.nbytes)}\n{len(b.params)} params"
             ax.text(b.start + b.node_count / 2, height + top * 0.02, label, ha="center", va="bottom", fontsize=7)
             if b.piece:
                 ax.axvline(b.start, color="black", linestyle="--", linewidth=0.8)
             if b.adjustments:
                 ax.plot([b.start], [top * 1.05], marker="v", color="#e63946")
         ax.set_xlim(0, max(plan.node_count, 1))
-        ax.set_ylim(0, top * 1.45)
+        ax.set_ylim(0, top * 1.6)
         ax.set_ylabel("bucket MiB")
-        ax.set_title(f"{plan.graph_name}: {len(plan.buckets)} pieces, cap {plan.caps.bytes / 2**20:.2f} MiB "
+        ax.set_title(f"{plan.graph_name}: {len(plan.buckets)} pieces, cap {_size(plan.caps.bytes)} "
                      f"({plan.source})", fontsize=9)
     axes[-1, 0].set_xlabel("node position in the graph (forward order; backward runs right to left)")
     kinds = sorted({s.kind for p in plans for s in p.state_spans})

@@ -339,6 +339,7 @@ def plan_buckets(
     size = 0  # nodes in the current bucket
     wanted: int | None = None
     wanted_reason: AdjustReason | None = None
+    bytes_since_wanted = 0  # parameter bytes in front of the wanted cut
     for i in range(count - 1, -1, -1):
         cap = caps.first_bytes if not built else caps.bytes
         if size and nbytes >= cap:
@@ -354,13 +355,18 @@ def plan_buckets(
                 built.append((cut, nbytes, names, adjustments))
                 nbytes, names, adjustments, size = 0, [], [], 0
                 wanted = wanted_reason = None
+                bytes_since_wanted = 0
             elif wanted_reason is None:
                 wanted_reason = reason
         size += 1
         for use in reversed(completed.get(i, ())):
             nbytes += use.nbytes
             names.append(use.name)
-    if wanted is not None and wanted < count and wanted_reason is not None:
+            if wanted is not None:
+                bytes_since_wanted += use.nbytes
+    # A cut still wanted at the start only matters if parameters lie in front of it (a
+    # parameter-free front would be folded back anyway).
+    if wanted is not None and wanted < count and wanted_reason is not None and bytes_since_wanted:
         adjustments.append(BoundaryAdjustment(wanted_reason, nodes[wanted].name, None))
     built.append((0, nbytes, names, adjustments))
     built.reverse()

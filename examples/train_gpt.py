@@ -137,6 +137,12 @@ class GPTReference(GPT):
         return super().forward(idx)
 
 
+def demo_model() -> GPT:
+    """The example's model, for ``python -m ddp_split_backend explain examples.train_gpt:demo_model``."""
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab=CharData(make_corpus()).vocab))
+
+
 # ----------------------------------------------------------------------------- training
 
 
