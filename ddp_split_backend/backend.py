@@ -188,7 +188,9 @@ class DDPSplitBackend:
             return self._compile_whole(gm, example_inputs, inner, inner_name, plan)
 
         split = split_graph(gm, layout, plan.cuts)
-        compiled: CompiledPieces = compile_pieces(split, example_inputs, inner, inner_name)
+        compiled: CompiledPieces = compile_pieces(
+            split, example_inputs, inner, inner_name, reuse=config.reuse
+        )
         self.records.append(CompileRecord(plan, compiled.compiled_by, compiled.failures))
         log_compiled(plan, split, compiled.compiled_by)
         return StitchedCallable(split, compiled.callables, compiled.compiled_by)

@@ -101,11 +101,118 @@ def _set_example_values(gm: fx.GraphModule, args: Sequence[Any]) -> None:
             node.meta["example_value"] = value
 
 
+@dataclass(frozen=True, slots=True)
+class _Reusable:
+    piece: int
+    fn: Callable[..., Any]
+    outputs: tuple[Any, ...]
+
+
+def _target_key(target: object) -> object:
+    return target if isinstance(target, str) else (getattr(target, "__module__", None), getattr(target, "__qualname__", None), id(target))
+
+
+def _value_key(value: Any) -> object:
+    if isinstance(value, torch.Tensor):
+        return (
+            "T", str(tuple(value.shape)), str(value.stride()), value.dtype, value.device,
+            value.requires_grad, isinstance(value, torch.nn.Parameter),
+        )
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return ("S", str(value))
+    return ("V", repr(value))
+
+
+def _structure_key(gm: fx.GraphModule, args: Sequence[Any]) -> tuple | None:
+    """Two pieces with equal keys compile to interchangeable code (same ops, same input
+    metadata); pieces holding attributes (constants, submodules) are never shared."""
+    position: dict[fx.Node, int] = {}
+    parts: list[object] = []
+    for i, node in enumerate(gm.graph.nodes):
+        if node.op == "get_attr":
+            return None
+        position[node] = i
+        normalized = fx.node.map_aggregate(
+            (node.args, tuple(sorted(node.kwargs.items()))),
+            lambda a: ("%", position[a]) if isinstance(a, fx.Node) else repr(a),
+        )
+        parts.append((node.op, _target_key(node.target) if node.op != "placeholder" else None, normalized))
+    try:
+        return (tuple(parts), tuple(_value_key(a) for a in args))
+    except TypeError:
+        return None
+
+
+def _reusable_outputs(outputs: Sequence[Any]) -> bool:
+    """Outputs whose sizes hold symbols made inside the piece cannot be shared."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    return not any(free_unbacked_symbols(o) for o in outputs)
+
+
+def _fresh_outputs(template: Sequence[Any], fake_mode: FakeTensorMode) -> list[Any]:
+    """New fake tensors with the metadata of a shared piece's outputs."""
+    fresh: list[Any] = []
+    with fake_mode:
+        for value in template:
+            if isinstance(value, torch.Tensor):
+                tensor = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+                tensor.requires_grad_(value.requires_grad)
+                if value.requires_grad and not value.is_leaf:  # an activation, as the original
+                    tensor = tensor.clone()
+                    if tensor.stride() != value.stride():
+                        tensor = tensor.as_strided(value.shape, value.stride())
+                fresh.append(tensor)
+            else:
+                fresh.append(value)
+    return fresh
+
+
+def _compile_one(
+    piece: Any,
+    args: list[Any],
+    inner: CompilerFn,
+    inner_name: str,
+    context: TracingContext | None,
+    fake_mode: FakeTensorMode,
+    count: int,
+    failures: list[PieceFailure],
+) -> tuple[Callable[..., Any], str, list[Any], Any]:
+    """Compile one piece; returns (callable, compiled_by, fake outputs, AOT fw_metadata)."""
+    _set_example_values(piece.gm, args)
+    metadata_before = context.fw_metadata if context is not None else None
+    with _fakify_first_call(context):
+        pristine = copy_module(piece.gm)
+        compiled, error = call_inner(inner, piece.gm, list(args))
+        used_aot = compiled is not None and context is not None and (
+            context.fw_metadata is not metadata_before
+        )
+        if compiled is None:
+            failures.append(PieceFailure(piece.index, error or ""))
+            warnings.warn(
+                f"ddp_split: inner backend {inner_name!r} failed on piece {piece.index} "
+                f"of {count} ({len(pristine.graph.nodes)} nodes); running that piece "
+                f"eagerly. Error: {(error or '')[:2000]}",
+                stacklevel=4,
+            )
+            compiled = track_state_calls(pristine)
+            name = EAGER_FALLBACK
+        else:
+            name = inner_name
+        runner = compiled if used_aot else pristine
+        with preserve_global_state(), _allow_non_fake_inputs(fake_mode):
+            outputs = list(runner(*args))
+    metadata = context.fw_metadata if used_aot and context is not None else None
+    return compiled, name, outputs, metadata
+
+
 def compile_pieces(
     split: SplitGraph,
     example_inputs: Sequence[Any],
     inner: CompilerFn,
     inner_name: str,
+    *,
+    reuse: bool = False,
 ) -> CompiledPieces:
     """Compile every piece of ``split`` with ``inner``, in order, on fake inputs.
 
@@ -114,6 +221,8 @@ def compile_pieces(
         example_inputs: what Dynamo passed the backend (real tensors, SymInts, ...).
         inner: the inner compiler, ``(gm, example_inputs) -> callable``.
         inner_name: its name, for diagnostics.
+        reuse: compile pieces with identical structure and input metadata once (see
+            ``SplitConfig.reuse_identical_pieces``).
 
     Returns:
         The compiled callables, one per piece, and the pieces that fell back to eager.
@@ -129,43 +238,40 @@ def compile_pieces(
         values[i] = _fake_input(node, example, fake_mode)
 
     context = TracingContext.try_get()
-    if context is not None:
-        context.ddp_optimizer_ctx = DDPOptimizerContext()
-
     callables: list[Callable[..., Any]] = []
     compiled_by: list[str] = []
     failures: list[PieceFailure] = []
+    reusable: dict[tuple, _Reusable] = {}
+    aot_last_use: dict[int, tuple[int, Any]] = {}  # id(fn) -> (last piece using it, fw_metadata)
     count = len(split.pieces)
     for piece in split.pieces:
         args = [values[s] for s in piece.inputs]
-        _set_example_values(piece.gm, args)
-        metadata_before = context.fw_metadata if context is not None else None
-        with _fakify_first_call(context):
-            pristine = copy_module(piece.gm)
-            compiled, error = call_inner(inner, piece.gm, list(args))
-            used_aot = compiled is not None and context is not None and (
-                context.fw_metadata is not metadata_before
+        key = _structure_key(piece.gm, args) if reuse else None
+        hit = reusable.get(key) if key is not None else None
+        if hit is not None:
+            outputs = _fresh_outputs(hit.outputs, fake_mode)
+            callables.append(hit.fn)
+            compiled_by.append(f"{inner_name} (same as piece {hit.piece})")
+            if id(hit.fn) in aot_last_use:
+                aot_last_use[id(hit.fn)] = (piece.index, aot_last_use[id(hit.fn)][1])
+        else:
+            compiled, name, outputs, metadata = _compile_one(
+                piece, args, inner, inner_name, context, fake_mode, count, failures
             )
-            if compiled is None:
-                failures.append(PieceFailure(piece.index, error or ""))
-                warnings.warn(
-                    f"ddp_split: inner backend {inner_name!r} failed on piece {piece.index} "
-                    f"of {count} ({len(pristine.graph.nodes)} nodes); running that piece "
-                    f"eagerly. Error: {(error or '')[:2000]}",
-                    stacklevel=3,
-                )
-                compiled = track_state_calls(pristine)
-                compiled_by.append(EAGER_FALLBACK)
-            else:
-                compiled_by.append(inner_name)
-            if used_aot:
-                assert context is not None and context.ddp_optimizer_ctx is not None
-                context.ddp_optimizer_ctx.curr_bucket += 1
-                context.ddp_optimizer_ctx.metadata_per_bucket.append(context.fw_metadata)
-            runner = compiled if used_aot else pristine
-            with preserve_global_state(), _allow_non_fake_inputs(fake_mode):
-                outputs = runner(*args)
+            callables.append(compiled)
+            compiled_by.append(name)
+            if metadata is not None:
+                aot_last_use[id(compiled)] = (piece.index, metadata)
+            if key is not None and name == inner_name and _reusable_outputs(outputs):
+                reusable[key] = _Reusable(piece.index, compiled, tuple(outputs))
         for s, value in zip(piece.outputs, outputs):
             values[s] = value
-        callables.append(compiled)
+    if context is not None:
+        # AOTAutograd compiles backward lazily, latest piece first, popping this stack; a
+        # reused function's backward is compiled at its last use (Note [DDPOptimizer and
+        # fw_metadata] in torch's runtime_wrappers.py explains the stack).
+        ddp_ctx = DDPOptimizerContext()
+        ddp_ctx.metadata_per_bucket = [m for _, m in sorted(aot_last_use.values(), key=lambda t: t[0])]
+        ddp_ctx.curr_bucket = len(ddp_ctx.metadata_per_bucket) - 1
+        context.ddp_optimizer_ctx = ddp_ctx
     return CompiledPieces(tuple(callables), tuple(compiled_by), tuple(failures))

@@ -64,11 +64,20 @@ class SplitConfig:
     """Bucket capacity in MiB. ``None``: the active DDP module's cap, else DDP's default (25)."""
     first_bucket_cap_mb: float | None = None
     """First-bucket capacity in MiB. ``None``: DDP's first-bucket size, clamped to the cap."""
+    reuse_identical_pieces: bool | None = None
+    """Compile pieces with the same ops and input metadata once (repeated transformer blocks).
+    ``None``: on for registered backend names, off for callables (which may record or
+    specialise per graph)."""
 
     def __post_init__(self) -> None:
         _check_inner(self.inner)
         _check_size("bucket_cap_mb", self.bucket_cap_mb)
         _check_size("first_bucket_cap_mb", self.first_bucket_cap_mb)
+        if self.reuse_identical_pieces not in (None, True, False):
+            raise SplitConfigError(
+                f"ddp_split option 'reuse_identical_pieces' must be True, False or None, got "
+                f"{self.reuse_identical_pieces!r}."
+            )
         if (
             self.bucket_cap_mb is not None
             and self.first_bucket_cap_mb is not None
@@ -98,6 +107,13 @@ class SplitConfig:
                     f"valid options are {', '.join(known)}."
                 )
         return cls(**options)
+
+    @property
+    def reuse(self) -> bool:
+        """Whether identical pieces share one compiled function."""
+        if self.reuse_identical_pieces is None:
+            return isinstance(self.inner, str)
+        return self.reuse_identical_pieces
 
     def caps(self, ddp_module: torch.nn.Module | None = None) -> BucketCaps:
         """Resolve capacities in bytes, reading the active DDP module where options are unset."""

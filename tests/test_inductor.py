@@ -49,7 +49,7 @@ def test_inductor_autocast_regions_across_cuts() -> None:
     torch.manual_seed(0)
     backend = _check(StateRegions(kind="autocast"), torch.randn(4, 32), tol=3e-2)
     assert len(backend.records[-1].plan.buckets) >= 3
-    assert set(backend.records[-1].compiled_by) == {"inductor"}
+    assert all(c.startswith("inductor") for c in backend.records[-1].compiled_by)
 
 
 def test_inductor_output_strides_cross_pieces() -> None:

@@ -258,3 +258,40 @@ def test_runtime_error_names_the_piece_and_restores_state(counting) -> None:
     assert any("ddp_split piece" in note for note in getattr(info.value, "__notes__", []))
     assert torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
     assert torch.ones(3).sum().item() == 3.0
+
+
+class Repeated(nn.Module):
+    """Identical residual blocks: identical pieces, compiled once."""
+
+    def __init__(self, width: int = 32, depth: int = 6) -> None:
+        super().__init__()
+        self.linears = nn.ModuleList([nn.Linear(width, width) for _ in range(depth)])
+        self.norms = nn.ModuleList([nn.LayerNorm(width) for _ in range(depth)])
+
+    def forward(self, x):
+        for linear, norm in zip(self.linears, self.norms):
+            x = x + F.gelu(norm(linear(x)))
+        return x
+
+
+@pytest.mark.parametrize("reuse", [True, False], ids=["reuse", "no_reuse"])
+def test_identical_pieces_compile_once_and_stay_correct(reuse: bool) -> None:
+    counting = CountingCompiler()
+    backend = DDPSplitBackend(SplitConfig(inner=counting, reuse_identical_pieces=reuse,
+                                          bucket_cap_mb=0.004, first_bucket_cap_mb=0.004))
+    model = Repeated()  # one block (4,224 + 256 bytes) per piece
+    for _ in range(2):  # the second step runs the shared backward again
+        model.zero_grad(set_to_none=True)
+        _check_eager_equal(model, [torch.randn(4, 32)], backend, atol=1e-5)
+    record = backend.records[-1]
+    assert len(record.plan.buckets) == 6 and len(backend.records) == 1
+    shared = [c for c in record.compiled_by if "same as piece" in c]
+    if reuse:
+        assert counting.count < 6 and len(shared) == 6 - counting.count
+    else:
+        assert counting.count == 6 and not shared
+
+
+def test_reuse_defaults_on_for_backend_names_only() -> None:
+    assert SplitConfig(inner="aot_eager").reuse
+    assert not SplitConfig(inner=lambda gm, inputs: gm.forward).reuse
