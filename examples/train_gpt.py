@@ -213,6 +213,13 @@ def train_step(trainer: Trainer, batches: list[tuple[torch.Tensor, torch.Tensor]
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    first_bucket_mb = torch.distributed._DEFAULT_FIRST_BUCKET_BYTES / 2**20
+    if args.compare == "ddp_optimizer" and args.bucket_cap_mb < first_bucket_mb:
+        raise SystemExit(
+            f"--compare ddp_optimizer: torch's DDPOptimizer asserts on bucket caps below its "
+            f"{first_bucket_mb:g} MiB first bucket (got --bucket-cap-mb {args.bucket_cap_mb:g}); "
+            "ddp_split handles them. Rerun with --bucket-cap-mb 1 or more to compare."
+        )
     rank, world, device = setup()
     data = CharData(make_corpus())
     cfg = GPTConfig(vocab=data.vocab, dropout=args.dropout)
