@@ -240,9 +240,10 @@ def layout_graph(gm: fx.GraphModule, ambient: Ambient) -> GraphLayout:
     make_dual, unpack = _dual_sources(), _unpack_targets()
     tainted: set[fx.Node] = set()
     for i, node in enumerate(nodes):
-        if node.op == "call_function" and (
-            node.target in make_dual
-            or (node.target not in unpack and any(a in tainted for a in node.all_input_nodes))
+        if (node.op == "call_function" and node.target in make_dual) or (
+            node.op in ("call_function", "call_method", "call_module")
+            and node.target not in unpack
+            and any(a in tainted for a in node.all_input_nodes)
         ):
             tainted.add(node)
         if _is_state_token(node):

@@ -100,13 +100,27 @@ def call_inner(
     the global state as it was before (also state the failed trace leaked into frames that
     only die with its traceback)."""
     before = GlobalState.capture()
+    dual_open = _dual_level_open()
     try:
         return inner(gm, args), None
     except Exception as error:  # any inner-backend failure: the piece runs eagerly instead
         message = f"{type(error).__name__}: {error}".strip()
     gc.collect()
+    if not dual_open and _dual_level_open():  # the failed trace entered a dual level
+        torch._C._exit_dual_level(level=0)
     before.restore()
     return None, message
+
+
+def _dual_level_open() -> bool:
+    """Whether a forward-AD dual level is open (torch keeps no Python-visible record of
+    levels entered through graph calls, and allows only one)."""
+    try:
+        level = torch._C._enter_dual_level()
+    except RuntimeError:
+        return True
+    torch._C._exit_dual_level(level=level)
+    return False
 
 
 @contextlib.contextmanager

@@ -142,3 +142,37 @@ def test_unknown_state_region_blocks_cuts(counting) -> None:
     assert blocked["cos"] is not None and blocked["tan"] is not None
     assert blocked["_exit_custom_mode"] is not None
     assert blocked["exp"] is None
+
+
+class DualThroughMethod(nn.Module):
+    """Fuzzer find: the dual tensor flows through a call_method (``.float()``), which the
+    planner must still treat as dual, or the cut after it strips the tangent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+
+    def forward(self, x):
+        import torch.autograd.forward_ad as fwAD
+
+        x = self.layers[0](x.float())
+        with fwAD.dual_level():
+            d = fwAD.make_dual(x, torch.ones_like(x))
+            d = self.layers[1](d.float())
+            primal, tangent = fwAD.unpack_dual(d)
+            x = primal + tangent
+        return x
+
+
+def test_regression_dual_tensor_through_call_method_is_not_cut() -> None:
+    model = DualThroughMethod()
+    x = torch.randn(4, 8)
+    backend = DDPSplitBackend(SplitConfig(inner="aot_eager", bucket_cap_mb=0.0001, first_bucket_cap_mb=0.0001))
+    with torch.no_grad():
+        expected = model(x)
+        actual = torch.compile(model, backend=backend)(x)
+    torch.testing.assert_close(actual, expected)
+    assert not backend.records[-1].failures
+    from ddp_split_backend.runtime import _dual_level_open
+
+    assert not _dual_level_open()
