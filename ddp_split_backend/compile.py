@@ -21,7 +21,7 @@ from torch._dynamo.backends.distributed import DDPOptimizerContext
 from torch._guards import TracingContext, detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from .runtime import call_inner, preserve_global_state, track_state_calls
+from .runtime import attempt, call_inner, preserve_global_state, track_state_calls
 from .split import SplitGraph
 
 __all__ = ["EAGER_FALLBACK", "CompiledPieces", "PieceFailure", "compile_pieces", "copy_module"]
@@ -187,6 +187,14 @@ def _compile_one(
         used_aot = compiled is not None and context is not None and (
             context.fw_metadata is not metadata_before
         )
+        outputs = None
+        if compiled is not None and used_aot:
+            # The compiled piece's first call on fake inputs gives its real output metadata.
+            # It can still fail where compiling did not (AOTAutograd saving an inference
+            # tensor for backward in a piece that starts inside inference_mode, say).
+            outputs, error = attempt(_run_on_fakes, compiled, args, fake_mode)
+            if outputs is None:
+                compiled, used_aot = None, False
         if compiled is None:
             failures.append(PieceFailure(piece.index, error or ""))
             warnings.warn(
@@ -199,11 +207,15 @@ def _compile_one(
             name = EAGER_FALLBACK
         else:
             name = inner_name
-        runner = compiled if used_aot else pristine
-        with preserve_global_state(), _allow_non_fake_inputs(fake_mode):
-            outputs = list(runner(*args))
+        if outputs is None:
+            outputs = _run_on_fakes(pristine, args, fake_mode)
     metadata = context.fw_metadata if used_aot and context is not None else None
     return compiled, name, outputs, metadata
+
+
+def _run_on_fakes(fn: Callable[..., Any], args: Sequence[Any], fake_mode: FakeTensorMode) -> list[Any]:
+    with preserve_global_state(), _allow_non_fake_inputs(fake_mode):
+        return list(fn(*args))
 
 
 def compile_pieces(

@@ -24,6 +24,7 @@ __all__ = [
     "GlobalState",
     "GuardedCallable",
     "StitchedCallable",
+    "attempt",
     "call_inner",
     "preserve_global_state",
     "track_state_calls",
@@ -96,14 +97,19 @@ def _restore_dispatch_keys(include: torch._C.DispatchKeySet, exclude: torch._C.D
 def call_inner(
     inner: Callable[..., Any], gm: fx.GraphModule, args: list[Any]
 ) -> tuple[Callable[..., Any] | None, str | None]:
-    """Compile ``gm`` with ``inner``; on failure return the error text instead of raising, with
-    the global state as it was before (also state the failed trace leaked into frames that
-    only die with its traceback)."""
+    """Compile ``gm`` with ``inner``; see :func:`attempt`."""
+    return attempt(inner, gm, args)
+
+
+def attempt(fn: Callable[..., Any], *args: Any) -> tuple[Any, str | None]:
+    """``fn(*args)``; on failure return the error text instead of raising, with the global
+    state as it was before (also state a failed trace leaked into frames that only die with
+    its traceback)."""
     before = GlobalState.capture()
     dual_open = _dual_level_open()
     try:
-        return inner(gm, args), None
-    except Exception as error:  # any inner-backend failure: the piece runs eagerly instead
+        return fn(*args), None
+    except Exception as error:  # any failure: the caller runs the piece eagerly instead
         message = f"{type(error).__name__}: {error}".strip()
     gc.collect()
     if not dual_open and _dual_level_open():  # the failed trace entered a dual level

@@ -560,10 +560,15 @@ def check_fx_program(program: FxProgram) -> None:
     inputs = [torch.randn(4, 4, requires_grad=program.input_grad) for _ in range(program.num_inputs)]
     before = GlobalState.capture()
     with torch.set_grad_enabled(program.ambient_grad):
+        entry = GlobalState.capture()
         expected, error = _attempt(lambda: gm(*inputs))
         if error is not None:  # the graph itself is invalid (dtype mix, inference tensor, ...)
             restore(before)
             _event("skipped: graph raises")
+            assume(False)
+        if GlobalState.capture() != entry:  # Dynamo graphs always restore what they change
+            restore(before)
+            _event("skipped: graph leaves global state changed")
             assume(False)
         layout = layout_graph(gm, Ambient.capture())
         legal = [i for i, reason in enumerate(layout.blocked) if reason is None]

@@ -12,7 +12,7 @@ from ddp_split_backend import DDPSplitBackend, SplitConfig
 from ddp_split_backend.runtime import GlobalState
 from ddp_split_backend.state import StateKind, classify
 
-from .helpers import compare_with_eager_ddp
+from .helpers import compare_with_eager_ddp, grads
 from .models import StateRegions
 
 STATE_TARGET_NAMES = {
@@ -176,3 +176,41 @@ def test_regression_dual_tensor_through_call_method_is_not_cut() -> None:
     from ddp_split_backend.runtime import _dual_level_open
 
     assert not _dual_level_open()
+
+
+class InferenceTensorEscapes(nn.Module):
+    """Fuzzer find: a tensor made in inference mode is cloned and used with autograd after
+    the region; a cut between would hand an inference tensor to an autograd-tracked piece."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(4)])
+
+    def forward(self, x):
+        x = self.layers[0](x)
+        with torch.inference_mode():
+            h = self.layers[1](x)
+            h = self.layers[2](h)
+        h = h.clone()
+        return self.layers[3](x * h)
+
+
+def test_regression_piece_starting_in_inference_mode_falls_back_when_aot_cannot_run_it() -> None:
+    """AOTAutograd compiles the piece that re-enters inference_mode but its first (fake) call
+    saves an inference tensor for backward; that piece must run eagerly, not fail the frame."""
+    model = InferenceTensorEscapes()
+    x = torch.randn(4, 8)
+    backend = DDPSplitBackend(SplitConfig(inner="aot_eager", bucket_cap_mb=0.0003, first_bucket_cap_mb=0.0003))
+    expected = model(x)
+    expected.sum().backward()
+    want = [g.clone() for g in grads(model)]
+    model.zero_grad(set_to_none=True)
+    with pytest.warns(UserWarning, match="Inference tensors cannot be saved"):
+        actual = torch.compile(model, backend=backend)(x)
+    torch.testing.assert_close(actual, expected)
+    actual.sum().backward()
+    for got, ref in zip(grads(model), want, strict=True):
+        torch.testing.assert_close(got, ref)
+    record = backend.records[-1]
+    assert len(record.plan.buckets) == 2
+    assert record.compiled_by == ("aot_eager", "eager (fallback)")
