@@ -153,7 +153,7 @@ def _reusable_outputs(outputs: Sequence[Any]) -> bool:
 def _fresh_outputs(template: Sequence[Any], fake_mode: FakeTensorMode) -> list[Any]:
     """New fake tensors with the metadata of a shared piece's outputs."""
     fresh: list[Any] = []
-    with fake_mode:
+    with fake_mode, torch.enable_grad():  # the clone below must record autograd history
         for value in template:
             if isinstance(value, torch.Tensor):
                 tensor = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
@@ -181,7 +181,7 @@ def _compile_one(
     """Compile one piece; returns (callable, compiled_by, fake outputs, AOT fw_metadata)."""
     _set_example_values(piece.gm, args)
     metadata_before = context.fw_metadata if context is not None else None
-    with _fakify_first_call(context):
+    with _fakify_first_call(context), torch.set_grad_enabled(piece.entry_grad):
         pristine = copy_module(piece.gm)
         compiled, error = call_inner(inner, piece.gm, list(args))
         used_aot = compiled is not None and context is not None and (

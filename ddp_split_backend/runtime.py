@@ -255,7 +255,7 @@ class StitchedCallable:
         compiler_names: Sequence[str],
     ) -> None:
         self._steps = tuple(
-            (fn, piece.inputs, piece.outputs, piece.release)
+            (fn, piece.inputs, piece.outputs, piece.release, piece.entry_grad)
             for fn, piece in zip(compiled, split.pieces, strict=True)
         )
         self._names = tuple(compiler_names)
@@ -273,12 +273,14 @@ class StitchedCallable:
         before = GlobalState.capture()
         index = 0
         try:
-            for index, (fn, inputs, outputs, release) in enumerate(self._steps):
+            for index, (fn, inputs, outputs, release, entry_grad) in enumerate(self._steps):
+                torch._C._set_grad_enabled(entry_grad)  # as the piece was compiled
                 results = fn(*[values[s] for s in inputs])
                 for s, v in zip(outputs, results):
                     values[s] = v
                 for s in release:
                     values[s] = None
+            torch._C._set_grad_enabled(before.grad)
         except BaseException as error:
             before.restore()
             error.add_note(_piece_error_note(index, len(self._steps), self._names[index]))

@@ -214,3 +214,39 @@ def test_regression_piece_starting_in_inference_mode_falls_back_when_aot_cannot_
     record = backend.records[-1]
     assert len(record.plan.buckets) == 2
     assert record.compiled_by == ("aot_eager", "eager (fallback)")
+
+
+class EnableGradInsideNoGrad(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(4)])
+
+    def forward(self, x):
+        with torch.no_grad():
+            with torch.enable_grad():
+                for layer in self.layers:
+                    x = layer(x.float())
+        return x
+
+
+@pytest.mark.parametrize("reuse", [True, False], ids=["reuse", "no_reuse"])
+def test_regression_enable_grad_under_ambient_no_grad_keeps_the_autograd_chain(reuse: bool) -> None:
+    """Fuzzer find: with grad mode off outside and on inside, pieces must be compiled and
+    called with autograd on, and a shared piece's outputs must still carry history."""
+    model = EnableGradInsideNoGrad()
+    x = torch.randn(8, 8)
+    backend = DDPSplitBackend(SplitConfig(inner="aot_eager", bucket_cap_mb=0.0001,
+                                          first_bucket_cap_mb=0.0001, reuse_identical_pieces=reuse))
+    with torch.no_grad():
+        expected = model(x)
+        actual = torch.compile(model, backend=backend)(x)
+        assert not torch.is_grad_enabled()
+    expected.sum().backward()
+    want = [g.clone() for g in grads(model)]
+    model.zero_grad(set_to_none=True)
+    actual.sum().backward()
+    torch.testing.assert_close(actual, expected)
+    for got, ref in zip(grads(model), want, strict=True):
+        torch.testing.assert_close(got, ref)
+    assert len(backend.records[-1].plan.buckets) == 4
+    assert any("same as piece" in c for c in backend.records[-1].compiled_by) == reuse
