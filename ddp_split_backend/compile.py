@@ -181,7 +181,7 @@ def _compile_one(
     """Compile one piece; returns (callable, compiled_by, fake outputs, AOT fw_metadata)."""
     _set_example_values(piece.gm, args)
     metadata_before = context.fw_metadata if context is not None else None
-    with _fakify_first_call(context), torch.set_grad_enabled(piece.entry_grad):
+    with _fakify_first_call(context), torch.set_grad_enabled(piece.grad):
         pristine = copy_module(piece.gm)
         compiled, error = call_inner(inner, piece.gm, list(args))
         used_aot = compiled is not None and context is not None and (

@@ -255,7 +255,7 @@ class StitchedCallable:
         compiler_names: Sequence[str],
     ) -> None:
         self._steps = tuple(
-            (fn, piece.inputs, piece.outputs, piece.release, piece.entry_grad)
+            (fn, piece.inputs, piece.outputs, piece.release, piece.grad)
             for fn, piece in zip(compiled, split.pieces, strict=True)
         )
         self._names = tuple(compiler_names)
@@ -273,8 +273,8 @@ class StitchedCallable:
         before = GlobalState.capture()
         index = 0
         try:
-            for index, (fn, inputs, outputs, release, entry_grad) in enumerate(self._steps):
-                torch._C._set_grad_enabled(entry_grad)  # as the piece was compiled
+            for index, (fn, inputs, outputs, release, grad) in enumerate(self._steps):
+                torch._C._set_grad_enabled(grad)  # as the piece was compiled
                 results = fn(*[values[s] for s in inputs])
                 for s, v in zip(outputs, results):
                     values[s] = v

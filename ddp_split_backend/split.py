@@ -63,9 +63,10 @@ class Piece:
     """Slots written, in the order of the piece's output tuple."""
     release: tuple[int, ...]
     """Slots no later piece reads and the graph does not return: dropped after this piece."""
-    entry_grad: bool
-    """Grad mode at the piece's first node. The piece is compiled and called under it:
-    AOTAutograd decides from the grad mode at call time whether to record autograd."""
+    grad: bool
+    """Whether grad mode is on anywhere inside the piece. The piece is compiled and called
+    with grad mode set to this: AOTAutograd decides from the grad mode at call time whether
+    to record autograd at all (its own state nodes then switch it inside the piece)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,7 +230,7 @@ def split_graph(gm: fx.GraphModule, layout: GraphLayout, cuts: Sequence[int]) ->
             inputs=tuple(in_slots),
             outputs=tuple(out_slots),
             release=tuple(sorted(release.get(k, ()))),
-            entry_grad=layout.states[bounds[k]].grad,
+            grad=any(state.grad for state in layout.states[bounds[k] : bounds[k + 1] + 1]),
         )
         for k, (piece_gm, in_slots, out_slots) in enumerate(built)
     )
