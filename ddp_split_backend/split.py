@@ -84,9 +84,9 @@ class SplitGraph:
     placeholders: tuple[fx.Node, ...]
 
 
-def _emit_entry(graph: fx.Graph, state: PointState, ambient: Ambient, env: dict) -> None:
-    """Re-create ``state`` from the ambient state at the top of a piece."""
-    grad = ambient.grad
+def _emit_entry(graph: fx.Graph, state: PointState, ambient: Ambient, grad: bool, env: dict) -> None:
+    """Re-create ``state`` at the top of a piece called with grad mode ``grad`` and otherwise
+    the ambient state."""
     for region in state.regions:
         if region.kind is StateKind.INFERENCE and region.grad_before != grad:
             graph.call_function(_SET_GRAD, (region.grad_before,))
@@ -104,8 +104,8 @@ def _emit_entry(graph: fx.Graph, state: PointState, ambient: Ambient, env: dict)
         graph.call_function(_SET_FWD_GRAD, (state.fwd_grad,))
 
 
-def _emit_exit(graph: fx.Graph, state: PointState, ambient: Ambient, env: dict) -> None:
-    """Undo ``state`` back to the ambient state at the bottom of a piece."""
+def _emit_exit(graph: fx.Graph, state: PointState, ambient: Ambient, call_grad: bool, env: dict) -> None:
+    """Undo ``state`` at the bottom of a piece, back to the state it was called with."""
     grad = state.grad
     dual_depth = sum(r.kind is StateKind.DUAL for r in state.regions)
     for region in reversed(state.regions):
@@ -118,8 +118,8 @@ def _emit_exit(graph: fx.Graph, state: PointState, ambient: Ambient, env: dict) 
         graph.call_function(_EXITS[region.kind], (env[region.enter],))
         if region.kind is StateKind.INFERENCE:
             grad = region.grad_before
-    if grad != ambient.grad:
-        graph.call_function(_SET_GRAD, (ambient.grad,))
+    if grad != call_grad:
+        graph.call_function(_SET_GRAD, (call_grad,))
     if state.fwd_grad != ambient.fwd_grad:
         graph.call_function(_SET_FWD_GRAD, (ambient.fwd_grad,))
 
@@ -172,7 +172,7 @@ def split_graph(gm: fx.GraphModule, layout: GraphLayout, cuts: Sequence[int]) ->
     last_reader: dict[int, int] = {}
     region_enters = {r.enter for s in (layout.states[b] for b in bounds) for r in s.regions}
 
-    built: list[tuple[fx.GraphModule, list[int], list[int]]] = []
+    built: list[tuple[fx.GraphModule, list[int], list[int], bool]] = []
     for k in range(len(bounds) - 1):
         start, stop = bounds[k], bounds[k + 1]
         graph = fx.Graph()
@@ -189,7 +189,8 @@ def split_graph(gm: fx.GraphModule, layout: GraphLayout, cuts: Sequence[int]) ->
         inputs.sort(key=_reducer_order_key)  # stable: other inputs keep first-use order
         for arg in inputs:
             env[arg] = _copy_placeholder(graph, arg)
-        _emit_entry(graph, layout.states[start], layout.ambient, env)
+        call_grad = any(state.grad for state in layout.states[start : stop + 1])
+        _emit_entry(graph, layout.states[start], layout.ambient, call_grad, env)
         attrs: dict[str, Any] = {}
         for node in nodes[start:stop]:
             for arg in node.all_input_nodes:
@@ -198,7 +199,7 @@ def split_graph(gm: fx.GraphModule, layout: GraphLayout, cuts: Sequence[int]) ->
                     env[arg] = graph.get_attr(str(arg.target))
                     env[arg].meta = dict(arg.meta)
             env[node] = graph.node_copy(node, lambda n: env[n])
-        _emit_exit(graph, layout.states[stop], layout.ambient, env)
+        _emit_exit(graph, layout.states[stop], layout.ambient, call_grad, env)
         outputs = [
             n
             for n in nodes[start:stop]
@@ -212,7 +213,7 @@ def split_graph(gm: fx.GraphModule, layout: GraphLayout, cuts: Sequence[int]) ->
         for s in in_slots:
             last_reader[s] = k
         piece_gm = fx.GraphModule(attrs, graph, class_name=f"DDPSplitPiece{k}")
-        built.append((piece_gm, in_slots, [slot[n] for n in outputs]))
+        built.append((piece_gm, in_slots, [slot[n] for n in outputs], call_grad))
 
     leaves, spec = pytree.tree_flatten(output_node.args[0])
     output_leaves = tuple(slot[x] if isinstance(x, fx.Node) else None for x in leaves)
@@ -230,9 +231,9 @@ def split_graph(gm: fx.GraphModule, layout: GraphLayout, cuts: Sequence[int]) ->
             inputs=tuple(in_slots),
             outputs=tuple(out_slots),
             release=tuple(sorted(release.get(k, ()))),
-            grad=any(state.grad for state in layout.states[bounds[k] : bounds[k + 1] + 1]),
+            grad=call_grad,
         )
-        for k, (piece_gm, in_slots, out_slots) in enumerate(built)
+        for k, (piece_gm, in_slots, out_slots, call_grad) in enumerate(built)
     )
     return SplitGraph(
         pieces=pieces,

@@ -21,7 +21,10 @@ had when the cut was made. Every piece is therefore made self-contained:
 
 Between two pieces the global state is thus always the ambient one, a failing piece can be
 undone by restoring the ambient state, and each piece traces identically at compile time and
-at run time. State kinds fall in three groups:
+at run time. One exception: grad mode. AOTAutograd decides from the grad mode *at call time*
+whether to record autograd at all, so a piece is compiled and called with grad mode on iff it
+is on anywhere inside the piece; its prologue sets the entry value from there and its epilogue
+sets the call value back. State kinds fall in three groups:
 
 * *values* (grad mode, forward-AD grad mode): re-created by setting the value;
 * *regions* (autocast, inference mode, forward-AD dual level): re-entered with the same
