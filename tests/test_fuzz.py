@@ -692,3 +692,21 @@ def test_fx_programs_reach_every_state_node_and_cut_inside_regions() -> None:
         structured_output=True,
     )
     check_fx_program(program)
+
+
+# Regressions found by the deep profile (each failed before its fix).
+
+
+def test_regression_op_before_inner_enable_grad_keeps_no_grad() -> None:
+    """Pieces are called with grad on when it is on anywhere inside them; ops before the
+    inner enable_grad must still run with the ambient no_grad."""
+    check_fx_program(
+        FxProgram(steps=(FxStep(op="cos", args=(0,)), FxStep(op="grad_on", args=())), outputs=(1,),
+                  cuts=(1,), num_inputs=1, structured_output=False, ambient_grad=False, input_grad=True)
+    )
+
+
+def test_regression_enable_grad_after_nested_no_grad_under_ambient_no_grad() -> None:
+    check_program(
+        Program(body=(Region(kind='no_grad', body=(Region(kind='no_grad', body=(Region(kind='no_grad', body=('linear',), keep=False),), keep=False),), keep=False), Region(kind='enable_grad', body=('linear',), keep=False)), width=8, input_grad=False, ambient_grad=False, bucket_cap_mb=0.0001, first_bucket_cap_mb=None)
+    )
