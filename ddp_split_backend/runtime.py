@@ -26,6 +26,7 @@ __all__ = [
     "StitchedCallable",
     "attempt",
     "call_inner",
+    "dual_level_open",
     "preserve_global_state",
     "track_state_calls",
 ]
@@ -106,19 +107,19 @@ def attempt(fn: Callable[..., Any], *args: Any) -> tuple[Any, str | None]:
     state as it was before (also state a failed trace leaked into frames that only die with
     its traceback)."""
     before = GlobalState.capture()
-    dual_open = _dual_level_open()
+    dual_open = dual_level_open()
     try:
         return fn(*args), None
     except Exception as error:  # any failure: the caller runs the piece eagerly instead
         message = f"{type(error).__name__}: {error}".strip()
     gc.collect()
-    if not dual_open and _dual_level_open():  # the failed trace entered a dual level
+    if not dual_open and dual_level_open():  # the failed trace entered a dual level
         torch._C._exit_dual_level(level=0)
     before.restore()
     return None, message
 
 
-def _dual_level_open() -> bool:
+def dual_level_open() -> bool:
     """Whether a forward-AD dual level is open (torch keeps no Python-visible record of
     levels entered through graph calls, and allows only one)."""
     try:

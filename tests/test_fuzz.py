@@ -50,7 +50,7 @@ from hypothesis import strategies as st
 
 from ddp_split_backend import DDPSplitBackend, SplitConfig
 from ddp_split_backend.plan import layout_graph
-from ddp_split_backend.runtime import GlobalState, StitchedCallable
+from ddp_split_backend.runtime import GlobalState, StitchedCallable, dual_level_open
 from ddp_split_backend.split import split_graph
 from ddp_split_backend.state import Ambient
 
@@ -327,16 +327,6 @@ def _matches(actual: Outcome, expected: Outcome, tol: dict[str, float]) -> None:
         assert actual.input_grad is None or not actual.input_grad.any()
     else:
         torch.testing.assert_close(actual.input_grad, expected.input_grad, **tol)
-
-
-def dual_level_open() -> bool:
-    """Whether a forward-AD dual level is open (GlobalState does not capture that)."""
-    try:
-        level = torch._C._enter_dual_level()
-    except RuntimeError:
-        return True
-    torch._C._exit_dual_level(level=level)
-    return False
 
 
 def restore(before: GlobalState) -> bool:

@@ -173,9 +173,9 @@ def test_regression_dual_tensor_through_call_method_is_not_cut() -> None:
         actual = torch.compile(model, backend=backend)(x)
     torch.testing.assert_close(actual, expected)
     assert not backend.records[-1].failures
-    from ddp_split_backend.runtime import _dual_level_open
+    from ddp_split_backend.runtime import dual_level_open
 
-    assert not _dual_level_open()
+    assert not dual_level_open()
 
 
 class InferenceTensorEscapes(nn.Module):
