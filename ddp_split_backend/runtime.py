@@ -28,6 +28,7 @@ __all__ = [
     "call_inner",
     "dual_level_open",
     "preserve_global_state",
+    "track_if_own_code",
     "track_state_calls",
 ]
 
@@ -223,6 +224,16 @@ def track_state_calls(gm: fx.GraphModule) -> fx.GraphModule:
             node.target = _TRACKED[node.target]
     gm.recompile()
     return gm
+
+
+def track_if_own_code(compiled: Callable[..., Any], gm: fx.GraphModule) -> Callable[..., Any]:
+    """``compiled``, tracked like an eager piece when it is ``gm`` itself or its ``forward``
+    (torch's ``eager`` backend): then it runs the state nodes as Python, holding the guards
+    that alone can exit inference mode. Compiled code (AOTAutograd, inductor) sets state
+    without guards, which :meth:`GlobalState.restore` can set back."""
+    if compiled is gm or getattr(compiled, "__self__", None) is gm:
+        return track_state_calls(gm).forward
+    return compiled
 
 
 def _piece_error_note(index: int, count: int, name: str) -> str:

@@ -159,15 +159,26 @@ class IndexInRegion(nn.Module):
                         with torch.autocast("cpu", enabled=False):
                             h = self._body(h.float(), index)
             h = h.clone()
+        elif self.region == "double_inference":  # guards must be exited innermost first
+            with torch.inference_mode():
+                h = torch.tanh(self.layers[1](h))
+                with torch.inference_mode():
+                    h = self._body(h, index)
+            h = h.clone()
         else:
             raise ValueError(self.region)
         return self.layers[3](h.float())
 
 
-@pytest.mark.parametrize("inner", ["aot_eager", "eager_fallback"], ids=str)
-@pytest.mark.parametrize("region", ["autocast", "no_grad", "inference", "nested"], ids=str)
+@pytest.mark.parametrize("inner", ["aot_eager", "eager", "eager_fallback"], ids=str)
+@pytest.mark.parametrize(
+    "region", ["autocast", "no_grad", "inference", "double_inference", "nested"], ids=str
+)
 def test_runtime_error_in_region_names_piece_and_restores_state(region: str, inner: str) -> None:
-    compiler = "aot_eager" if inner == "aot_eager" else CountingCompiler(fail_on={"all"})
+    """``eager`` (torch's backend that returns the piece's own ``forward``) and the eager
+    fallback run the piece's state nodes as Python: the regions they entered are exited,
+    innermost first, when the piece raises."""
+    compiler = inner if inner != "eager_fallback" else CountingCompiler(fail_on={"all"})
     backend = DDPSplitBackend(SplitConfig(inner=compiler, **TINY))
     torch.manual_seed(0)
     model = IndexInRegion(region)
@@ -196,6 +207,23 @@ def test_runtime_error_in_region_names_piece_and_restores_state(region: str, inn
     torch.testing.assert_close(compiled(x, good), model(x, good))
     assert len(backend.records) == 1
     assert GlobalState.capture() == before
+
+
+@pytest.mark.parametrize("region", ["double_inference", "nested"], ids=str)
+def test_runtime_error_in_unsplit_graph_run_by_eager_backend_restores_state(region: str) -> None:
+    """One piece (a cap larger than the model), inner ``eager``: the whole graph runs as
+    Python; the inference-mode guards it entered are exited when it raises."""
+    backend = DDPSplitBackend(SplitConfig(inner="eager", bucket_cap_mb=100))
+    model = IndexInRegion(region)
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(compiled(x, torch.tensor([1])), model(x, torch.tensor([1])))
+    assert len(backend.records[-1].plan.buckets) == 1
+    before = GlobalState.capture()
+    with pytest.raises((IndexError, RuntimeError)):
+        compiled(x, torch.tensor([99]))
+    assert GlobalState.capture() == before
+    _assert_process_usable()
 
 
 # ---------------------------------------------------------------------------------------
