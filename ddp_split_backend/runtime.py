@@ -21,6 +21,7 @@ import torch.utils._pytree as pytree
 from .split import SplitGraph
 
 __all__ = [
+    "AutogradCheckpoint",
     "GlobalState",
     "GuardedCallable",
     "StitchedCallable",
@@ -106,18 +107,55 @@ def call_inner(
 def attempt(fn: Callable[..., Any], *args: Any) -> tuple[Any, str | None]:
     """``fn(*args)``; on failure return the error text instead of raising, with the global
     state as it was before (also state a failed trace leaked into frames that only die with
-    its traceback)."""
+    its traceback, see :class:`AutogradCheckpoint`)."""
     before = GlobalState.capture()
     dual_open = dual_level_open()
+    checkpoint = AutogradCheckpoint()
     try:
-        return fn(*args), None
+        result = fn(*args)
     except Exception as error:  # any failure: the caller runs the piece eagerly instead
         message = f"{type(error).__name__}: {error}".strip()
-    gc.collect()
+    except BaseException:
+        checkpoint.restore()
+        raise
+    else:
+        checkpoint.restore()
+        return result, None
+    gc.collect()  # the failed trace's frames die now, running their guards' destructors
     if not dual_open and dual_level_open():  # the failed trace entered a dual level
         torch._C._exit_dual_level(level=0)
+    checkpoint.restore()
     before.restore()
     return None, message
+
+
+class AutogradCheckpoint:
+    """The autograd thread-local state (grad, inference and forward-grad mode, dispatch
+    keys), restorable even after something left inference mode on.
+
+    Inference mode has no setter: only the guard that entered it can leave it, by restoring
+    what it saw when it was made. A trace that fails inside nested ``inference_mode``
+    regions leaves its guards in the frames of the traceback, and frames free their locals
+    in creation order: the outer guard restores "off", then the inner one "on". This
+    checkpoint is itself such a guard, made for the current mode (so its constructor changes
+    nothing but the modes it then sets back); :meth:`restore` makes it put back the state
+    of the moment it was taken, whatever was leaked since."""
+
+    __slots__ = ("_guard",)
+
+    def __init__(self) -> None:
+        grad, fwd_grad = torch.is_grad_enabled(), torch._C._is_fwd_grad_enabled()
+        threads = torch._C._is_multithreading_enabled()
+        include = torch._C._dispatch_tls_local_include_set()
+        exclude = torch._C._dispatch_tls_local_exclude_set()
+        self._guard = torch._C._InferenceMode(torch.is_inference_mode_enabled())
+        torch._C._set_grad_enabled(grad)
+        torch._C._set_fwd_grad_enabled(fwd_grad)
+        torch._C._set_multithreading_enabled(threads)
+        _restore_dispatch_keys(include, exclude)
+
+    def restore(self) -> None:
+        self._guard.__exit__(None, None, None)
 
 
 def dual_level_open() -> bool:

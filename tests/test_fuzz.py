@@ -53,6 +53,7 @@ from ddp_split_backend import DDPSplitBackend, SplitConfig
 from ddp_split_backend.plan import layout_graph
 from ddp_split_backend.compile import copy_module
 from ddp_split_backend.runtime import (
+    AutogradCheckpoint,
     GlobalState,
     StitchedCallable,
     dual_level_open,
@@ -348,12 +349,19 @@ def restore(before: GlobalState) -> bool:
 def _attempt(fn: Any) -> tuple[Any, str | None]:
     """``fn()``, or the formatted error it raised. The exception (and the frames of a failed
     trace it holds, whose destructors can switch dispatcher keys back on) is dropped and
-    collected here, so the caller can restore the global state afterwards."""
+    collected here, and the autograd state is put back: plain ``torch.compile`` itself
+    leaves inference mode on after a failed trace inside nested ``inference_mode`` regions
+    (see ``AutogradCheckpoint``), which would poison every later example."""
+    checkpoint = AutogradCheckpoint()
     try:
-        return fn(), None
+        result = fn()
     except Exception as error:  # noqa: BLE001 - any failure is data here
         text = "".join(traceback.format_exception(error))
+    else:
+        checkpoint.restore()
+        return result, None
     gc.collect()
+    checkpoint.restore()
     return None, text
 
 
@@ -732,3 +740,27 @@ def test_regression_graph_raising_inside_nested_inference_mode_is_skipped_cleanl
     with pytest.raises(UnsatisfiedAssumption):
         check_fx_program(program)
     assert not torch.is_inference_mode_enabled()
+
+
+def _leak_inference_mode_and_raise() -> None:
+    """What a failed trace inside nested inference_mode regions can do: its guards die
+    outer first, the last one restoring "on"."""
+    outer = torch._C._InferenceMode(True)
+    inner = torch._C._InferenceMode(True)
+    del outer, inner
+    assert torch.is_inference_mode_enabled()
+    raise RuntimeError("trace failed")
+
+
+def test_regression_harness_puts_back_inference_mode_leaked_by_plain_compile() -> None:
+    """The deep profile's second leak: plain ``torch.compile(backend="aot_eager")`` failing
+    on a dual tensor inside two nested inference_mode regions (``Program(body=(Region(
+    'no_grad', ('linear',)), 'linear', Region('inference', ('linear', Region('no_grad',
+    ('linear',)), 'linear', Region('inference', ('linear', Region('dual', ('linear',)),
+    'linear')))), 'linear'), ambient_grad=False, bucket_cap_mb=0.0001)``) left inference
+    mode on, depending on the order the collector freed the trace's frames, and every later
+    example failed. The harness now restores it after each phase."""
+    before = GlobalState.capture()
+    result, error = _attempt(_leak_inference_mode_and_raise)
+    assert result is None and error is not None and "trace failed" in error
+    assert GlobalState.capture() == before
