@@ -20,7 +20,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m slow
+	$(PY) -m pytest -q -m slow --hypothesis-show-statistics
 
 clean:
 	rm -rf $(VENV) build *.egg-info
