@@ -146,12 +146,14 @@ class AutogradCheckpoint:
     def __init__(self) -> None:
         grad, fwd_grad = torch.is_grad_enabled(), torch._C._is_fwd_grad_enabled()
         threads = torch._C._is_multithreading_enabled()
+        replay = torch._C._is_view_replay_enabled()
         include = torch._C._dispatch_tls_local_include_set()
         exclude = torch._C._dispatch_tls_local_exclude_set()
         self._guard = torch._C._InferenceMode(torch.is_inference_mode_enabled())
         torch._C._set_grad_enabled(grad)
         torch._C._set_fwd_grad_enabled(fwd_grad)
         torch._C._set_multithreading_enabled(threads)
+        torch._C._set_view_replay_enabled(replay)
         _restore_dispatch_keys(include, exclude)
 
     def restore(self) -> None:
