@@ -129,9 +129,10 @@ def _value_key(value: Any) -> object:
     return ("V", repr(value))
 
 
-def _structure_key(gm: fx.GraphModule, args: Sequence[Any]) -> tuple | None:
+def _structure_key(gm: fx.GraphModule, args: Sequence[Any], grad: bool) -> tuple | None:
     """Two pieces with equal keys compile to interchangeable code (same ops, same input
-    metadata); pieces holding attributes (constants, submodules) are never shared."""
+    metadata, called in the same grad mode: AOTAutograd decides at trace time whether to
+    record a backward); pieces holding attributes (constants, submodules) are never shared."""
     position: dict[fx.Node, int] = {}
     parts: list[object] = []
     for i, node in enumerate(gm.graph.nodes):
@@ -144,7 +145,7 @@ def _structure_key(gm: fx.GraphModule, args: Sequence[Any]) -> tuple | None:
         )
         parts.append((node.op, _target_key(node.target) if node.op != "placeholder" else None, normalized))
     try:
-        return (tuple(parts), tuple(_value_key(a) for a in args))
+        return (grad, tuple(parts), tuple(_value_key(a) for a in args))
     except TypeError:
         return None
 
@@ -265,7 +266,7 @@ def compile_pieces(
     count = len(split.pieces)
     for piece in split.pieces:
         args = [values[s] for s in piece.inputs]
-        key = _structure_key(piece.gm, args) if reuse else None
+        key = _structure_key(piece.gm, args, piece.grad) if reuse else None
         hit = reusable.get(key) if key is not None else None
         if hit is not None:
             outputs = _fresh_outputs(hit.outputs, fake_mode)

@@ -764,3 +764,13 @@ def test_regression_harness_puts_back_inference_mode_leaked_by_plain_compile() -
     result, error = _attempt(_leak_inference_mode_and_raise)
     assert result is None and error is not None and "trace failed" in error
     assert GlobalState.capture() == before
+
+
+def test_regression_identical_pieces_in_different_grad_modes_are_not_shared() -> None:
+    """A piece run under no_grad and a structurally identical one under grad were compiled
+    once: the grad piece ran the no_grad compilation and its output had no autograd history
+    (gradients of the last layer all zero)."""
+    check_program(
+        Program(body=(Region(kind='no_grad', body=('linear',) * 5), 'linear', 'linear'), width=8,
+                input_grad=False, ambient_grad=True, bucket_cap_mb=0.0001, first_bucket_cap_mb=None)
+    )

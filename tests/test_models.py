@@ -292,6 +292,33 @@ def test_identical_pieces_compile_once_and_stay_correct(reuse: bool) -> None:
         assert counting.count == 6 and not shared
 
 
+class FrozenTrunk(nn.Module):
+    """Layers run under no_grad, then trainable layers of the same shape: the pieces look
+    alike but only the last ones record autograd."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.trunk = nn.ModuleList([nn.Linear(width, width) for _ in range(3)])
+        self.head = nn.Linear(width, width)
+
+    def forward(self, x):
+        with torch.no_grad():
+            for layer in self.trunk:
+                x = layer(x)
+        return self.head(x)
+
+
+def test_pieces_alike_but_in_other_grad_mode_are_not_shared() -> None:
+    counting = CountingCompiler()
+    backend = DDPSplitBackend(SplitConfig(inner=counting, reuse_identical_pieces=True,
+                                          bucket_cap_mb=0.0001, first_bucket_cap_mb=0.0001))
+    _check_eager_equal(FrozenTrunk(), [torch.randn(2, 8)], backend)
+    record = backend.records[-1]
+    assert len(record.plan.buckets) == 4, record.plan.table()
+    assert "same as" not in record.compiled_by[-1], record.compiled_by
+    assert any("same as" in c for c in record.compiled_by[:-1]), record.compiled_by
+
+
 def test_reuse_defaults_on_for_backend_names_only() -> None:
     assert SplitConfig(inner="aot_eager").reuse
     assert not SplitConfig(inner=lambda gm, inputs: gm.forward).reuse
