@@ -24,13 +24,7 @@ from .config import BACKEND_NAME, SplitConfig, SplitConfigError
 from .diagnostics import log_compiled
 from .params import find_params
 from .plan import BucketPlan, GraphLayout, SplitPlan, layout_graph, plan_buckets
-from .runtime import (
-    GuardedCallable,
-    StitchedCallable,
-    call_inner,
-    track_if_own_code,
-    track_state_calls,
-)
+from .runtime import GuardedCallable, StitchedCallable, call_inner, track_state_calls
 from .split import split_graph
 from .state import Ambient, classify
 
@@ -224,7 +218,7 @@ class DDPSplitBackend:
         self.records.append(CompileRecord(plan, (inner_name,), ()))
         log_compiled(plan, None, (inner_name,))
         if any(classify(n) is not None for n in gm.graph.nodes):
-            return GuardedCallable(track_if_own_code(compiled, gm), inner_name)
+            return GuardedCallable(compiled, inner_name)
         return compiled
 
     def _warn_ddp_optimizer(self) -> None:

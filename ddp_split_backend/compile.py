@@ -21,13 +21,7 @@ from torch._dynamo.backends.distributed import DDPOptimizerContext
 from torch._guards import TracingContext, detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from .runtime import (
-    attempt,
-    call_inner,
-    preserve_global_state,
-    track_if_own_code,
-    track_state_calls,
-)
+from .runtime import attempt, call_inner, preserve_global_state, track_state_calls
 from .split import SplitGraph
 
 __all__ = ["EAGER_FALLBACK", "CompiledPieces", "PieceFailure", "compile_pieces", "copy_module"]
@@ -213,7 +207,6 @@ def _compile_one(
             compiled = track_state_calls(pristine)
             name = EAGER_FALLBACK
         else:
-            compiled = track_if_own_code(compiled, piece.gm)
             name = inner_name
         if outputs is None:
             outputs = _run_on_fakes(pristine, args, fake_mode)

@@ -100,8 +100,9 @@ def _restore_dispatch_keys(include: torch._C.DispatchKeySet, exclude: torch._C.D
 def call_inner(
     inner: Callable[..., Any], gm: fx.GraphModule, args: list[Any]
 ) -> tuple[Callable[..., Any] | None, str | None]:
-    """Compile ``gm`` with ``inner``; see :func:`attempt`."""
-    return attempt(inner, gm, args)
+    """Compile ``gm`` with ``inner``; see :func:`attempt` and :func:`track_if_own_code`."""
+    compiled, error = attempt(inner, gm, args)
+    return (None if compiled is None else track_if_own_code(compiled, gm)), error
 
 
 def attempt(fn: Callable[..., Any], *args: Any) -> tuple[Any, str | None]:
@@ -110,21 +111,14 @@ def attempt(fn: Callable[..., Any], *args: Any) -> tuple[Any, str | None]:
     its traceback, see :class:`AutogradCheckpoint`)."""
     before = GlobalState.capture()
     dual_open = dual_level_open()
-    checkpoint = AutogradCheckpoint()
-    try:
-        result = fn(*args)
-    except Exception as error:  # any failure: the caller runs the piece eagerly instead
-        message = f"{type(error).__name__}: {error}".strip()
-    except BaseException:
-        checkpoint.restore()
-        raise
-    else:
-        checkpoint.restore()
-        return result, None
-    gc.collect()  # the failed trace's frames die now, running their guards' destructors
-    if not dual_open and dual_level_open():  # the failed trace entered a dual level
-        torch._C._exit_dual_level(level=0)
-    checkpoint.restore()
+    with AutogradCheckpoint():
+        try:
+            return fn(*args), None
+        except Exception as error:  # any failure: the caller runs the piece eagerly instead
+            message = f"{type(error).__name__}: {error}".strip()
+        gc.collect()  # the failed trace's frames die now, running their guards' destructors
+        if not dual_open and dual_level_open():  # the failed trace entered a dual level
+            torch._C._exit_dual_level(level=0)
     before.restore()
     return None, message
 
@@ -139,7 +133,8 @@ class AutogradCheckpoint:
     in creation order: the outer guard restores "off", then the inner one "on". This
     checkpoint is itself such a guard, made for the current mode (so its constructor changes
     nothing but the modes it then sets back); :meth:`restore` makes it put back the state
-    of the moment it was taken, whatever was leaked since."""
+    of the moment it was taken, whatever was leaked since; used as a context manager, it
+    restores on leaving the block."""
 
     __slots__ = ("_guard",)
 
@@ -158,6 +153,12 @@ class AutogradCheckpoint:
 
     def restore(self) -> None:
         self._guard.__exit__(None, None, None)
+
+    def __enter__(self) -> AutogradCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
 
 
 def dual_level_open() -> bool:

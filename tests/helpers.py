@@ -57,3 +57,14 @@ def compare_with_eager_ddp(
         for g_actual, g_expected in zip(grads(target), grads(eager), strict=True):
             torch.testing.assert_close(g_actual, g_expected, **tol)
     return backend, actual
+
+
+def leak_nested_inference_guards_and_raise() -> None:
+    """What a failed trace inside nested inference_mode regions can do: its guards are freed
+    outer first, the outer one restoring "off", then the inner one "on"; grad mode is changed
+    too. Raises ``RuntimeError("trace failed")``."""
+    outer, inner = torch._C._InferenceMode(True), torch._C._InferenceMode(True)
+    del outer, inner
+    assert torch.is_inference_mode_enabled()
+    torch._C._set_grad_enabled(True)
+    raise RuntimeError("trace failed")

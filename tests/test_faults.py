@@ -17,7 +17,7 @@ from ddp_split_backend.compile import EAGER_FALLBACK
 from ddp_split_backend.runtime import AutogradCheckpoint, GlobalState, attempt
 
 from .conftest import CountingCompiler
-from .helpers import grads
+from .helpers import grads, leak_nested_inference_guards_and_raise
 from .models import MLP, StateRegions
 
 TINY = {"bucket_cap_mb": 0.0001, "first_bucket_cap_mb": 0.0001}  # ~100 bytes: a bucket per layer
@@ -298,15 +298,6 @@ def test_inference_mode_compile_failure_falls_back_and_process_stays_usable(
     _assert_process_usable()
 
 
-def _leave_nested_inference_guards_and_raise() -> None:
-    """A failed trace's nested inference-mode guards, freed outer first: the outer one
-    restores "off", then the inner one "on"."""
-    outer, inner = torch._C._InferenceMode(True), torch._C._InferenceMode(True)
-    del outer, inner
-    torch._C._set_grad_enabled(True)
-    raise RuntimeError("trace failed")
-
-
 @pytest.mark.parametrize("ambient", ["grad", "no_grad", "inference"], ids=str)
 def test_attempt_restores_autograd_state_leaked_out_of_order(ambient: str) -> None:
     ctx = {"grad": torch.enable_grad, "no_grad": torch.no_grad, "inference": torch.inference_mode}
@@ -314,14 +305,13 @@ def test_attempt_restores_autograd_state_leaked_out_of_order(ambient: str) -> No
         torch._C._set_view_replay_enabled(True)
         try:
             before = GlobalState.capture()
-            result, error = attempt(_leave_nested_inference_guards_and_raise)
+            result, error = attempt(leak_nested_inference_guards_and_raise)
             assert result is None and error == "RuntimeError: trace failed"
             assert GlobalState.capture() == before
             assert torch._C._is_view_replay_enabled()
 
-            checkpoint = AutogradCheckpoint()  # taking one changes nothing
-            assert GlobalState.capture() == before and torch._C._is_view_replay_enabled()
-            checkpoint.restore()
+            with AutogradCheckpoint():  # taking one changes nothing
+                assert GlobalState.capture() == before and torch._C._is_view_replay_enabled()
         finally:
             torch._C._set_view_replay_enabled(False)
     _assert_process_usable()

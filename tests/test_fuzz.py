@@ -62,6 +62,8 @@ from ddp_split_backend.runtime import (
 from ddp_split_backend.split import split_graph
 from ddp_split_backend.state import Ambient
 
+from .helpers import leak_nested_inference_guards_and_raise
+
 # ---------------------------------------------------------------------------------------
 # Program specs
 # ---------------------------------------------------------------------------------------
@@ -352,16 +354,12 @@ def _attempt(fn: Any) -> tuple[Any, str | None]:
     collected here, and the autograd state is put back: plain ``torch.compile`` itself
     leaves inference mode on after a failed trace inside nested ``inference_mode`` regions
     (see ``AutogradCheckpoint``), which would poison every later example."""
-    checkpoint = AutogradCheckpoint()
-    try:
-        result = fn()
-    except Exception as error:  # noqa: BLE001 - any failure is data here
-        text = "".join(traceback.format_exception(error))
-    else:
-        checkpoint.restore()
-        return result, None
-    gc.collect()
-    checkpoint.restore()
+    with AutogradCheckpoint():
+        try:
+            return fn(), None
+        except Exception as error:  # noqa: BLE001 - any failure is data here
+            text = "".join(traceback.format_exception(error))
+        gc.collect()
     return None, text
 
 
@@ -742,16 +740,6 @@ def test_regression_graph_raising_inside_nested_inference_mode_is_skipped_cleanl
     assert not torch.is_inference_mode_enabled()
 
 
-def _leak_inference_mode_and_raise() -> None:
-    """What a failed trace inside nested inference_mode regions can do: its guards die
-    outer first, the last one restoring "on"."""
-    outer = torch._C._InferenceMode(True)
-    inner = torch._C._InferenceMode(True)
-    del outer, inner
-    assert torch.is_inference_mode_enabled()
-    raise RuntimeError("trace failed")
-
-
 def test_regression_harness_puts_back_inference_mode_leaked_by_plain_compile() -> None:
     """The deep profile's second leak: plain ``torch.compile(backend="aot_eager")`` failing
     on a dual tensor inside two nested inference_mode regions (``Program(body=(Region(
@@ -761,7 +749,7 @@ def test_regression_harness_puts_back_inference_mode_leaked_by_plain_compile() -
     mode on, depending on the order the collector freed the trace's frames, and every later
     example failed. The harness now restores it after each phase."""
     before = GlobalState.capture()
-    result, error = _attempt(_leak_inference_mode_and_raise)
+    result, error = _attempt(leak_nested_inference_guards_and_raise)
     assert result is None and error is not None and "trace failed" in error
     assert GlobalState.capture() == before
 
