@@ -4,13 +4,13 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ddp-split-installed
 
-.PHONY: demo test test-slow bench clean
+.PHONY: demo test test-fast test-slow bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[test,plot]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,plot,models]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -18,6 +18,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m 'not slow and not multiprocess and not fuzz'
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow --hypothesis-show-statistics

@@ -203,7 +203,7 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
     if split_backend is not None:
         result["ddp_split_backend_s"] = split_backend.seconds
         result["plan_pieces"] = len(split_backend.records[-1].plan.buckets)
-    dist.destroy_process_group()
+    ddp_split_backend.close_ddp(ddp)  # reducers before the group: Note [Teardown deadlock]
     return result
 
 

@@ -528,10 +528,11 @@ def main(argv: list[str] | None = None) -> int:
     link = Link()
     result: dict[str, Any] = {"environment": environment(), "config": {
         k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "runs": []}
+    modes: dict[str, Mode] = {}
     try:
         for inner_index, inner in enumerate(args.inner):
             torch._dynamo.reset()
-            modes: dict[str, Mode] = {}
+            modes = {}
             x = torch.randn(args.batch, args.width)
             for name in args.modes:
                 modes[name] = build_mode(name, inner, args, link, {})
@@ -594,7 +595,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(split.backend.records[-1].plan.table())
     finally:
         link.close()
-        dist.destroy_process_group()
+        # Reducers before the group: Note [Teardown deadlock] in ddp_split_backend/teardown.py.
+        ddp_split_backend.close_ddp(*(m.ddp for m in modes.values() if m.ddp is not None))
     result["environment"]["loadavg_end"] = os.getloadavg()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1, default=str))

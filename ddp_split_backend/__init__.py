@@ -12,6 +12,7 @@ from .config import SplitConfig, SplitConfigError
 from .ddp_mode import own_split
 from .explain import ExplainResult, explain
 from .plan import AdjustReason, BoundaryAdjustment, BucketPlan, SplitPlan
+from .teardown import close_ddp
 
 __all__ = [
     "AdjustReason",
@@ -24,6 +25,7 @@ __all__ = [
     "SplitConfig",
     "SplitConfigError",
     "SplitPlan",
+    "close_ddp",
     "ddp_split",
     "explain",
     "own_split",

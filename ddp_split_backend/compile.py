@@ -21,6 +21,7 @@ from torch._dynamo.backends.distributed import DDPOptimizerContext
 from torch._guards import TracingContext, detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from .reuse import fresh_outputs, reusable_outputs, structure_key
 from .runtime import attempt, call_inner, preserve_global_state, track_state_calls
 from .split import SplitGraph
 
@@ -106,67 +107,6 @@ class _Reusable:
     piece: int
     fn: Callable[..., Any]
     outputs: tuple[Any, ...]
-
-
-def _target_key(target: object) -> object:
-    return target if isinstance(target, str) else (getattr(target, "__module__", None), getattr(target, "__qualname__", None), id(target))
-
-
-def _value_key(value: Any) -> object:
-    if isinstance(value, torch.Tensor):
-        return (
-            "T", str(tuple(value.shape)), str(value.stride()), value.dtype, value.device,
-            value.requires_grad, isinstance(value, torch.nn.Parameter),
-        )
-    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return ("S", str(value))
-    return ("V", repr(value))
-
-
-def _structure_key(gm: fx.GraphModule, args: Sequence[Any], grad: bool) -> tuple | None:
-    """Two pieces with equal keys compile to interchangeable code (same ops, same input
-    metadata, called in the same grad mode: AOTAutograd decides at trace time whether to
-    record a backward); pieces holding attributes (constants, submodules) are never shared."""
-    position: dict[fx.Node, int] = {}
-    parts: list[object] = []
-    for i, node in enumerate(gm.graph.nodes):
-        if node.op == "get_attr":
-            return None
-        position[node] = i
-        normalized = fx.node.map_aggregate(
-            (node.args, tuple(sorted(node.kwargs.items()))),
-            lambda a: ("%", position[a]) if isinstance(a, fx.Node) else repr(a),
-        )
-        parts.append((node.op, _target_key(node.target) if node.op != "placeholder" else None, normalized))
-    try:
-        return (grad, tuple(parts), tuple(_value_key(a) for a in args))
-    except TypeError:
-        return None
-
-
-def _reusable_outputs(outputs: Sequence[Any]) -> bool:
-    """Outputs whose sizes hold symbols made inside the piece cannot be shared."""
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-
-    return not any(free_unbacked_symbols(o) for o in outputs)
-
-
-def _fresh_outputs(template: Sequence[Any], fake_mode: FakeTensorMode) -> list[Any]:
-    """New fake tensors with the metadata of a shared piece's outputs."""
-    fresh: list[Any] = []
-    with fake_mode, torch.enable_grad():  # the clone below must record autograd history
-        for value in template:
-            if isinstance(value, torch.Tensor):
-                tensor = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
-                tensor.requires_grad_(value.requires_grad)
-                if value.requires_grad and not value.is_leaf:  # an activation, as the original
-                    tensor = tensor.clone()
-                    if tensor.stride() != value.stride():
-                        tensor = tensor.as_strided(value.shape, value.stride())
-                fresh.append(tensor)
-            else:
-                fresh.append(value)
-    return fresh
 
 
 def _compile_one(
@@ -259,10 +199,10 @@ def compile_pieces(
     count = len(split.pieces)
     for piece in split.pieces:
         args = [values[s] for s in piece.inputs]
-        key = _structure_key(piece.gm, args, piece.grad) if reuse else None
+        key = structure_key(piece.gm, args, piece.grad) if reuse else None
         hit = reusable.get(key) if key is not None else None
         if hit is not None:
-            outputs = _fresh_outputs(hit.outputs, fake_mode)
+            outputs = fresh_outputs(hit.outputs, fake_mode)
             callables.append(hit.fn)
             compiled_by.append(f"{inner_name} (same as piece {hit.piece})")
             if id(hit.fn) in aot_last_use:
@@ -275,7 +215,7 @@ def compile_pieces(
             compiled_by.append(name)
             if metadata is not None:
                 aot_last_use[id(compiled)] = (piece.index, metadata)
-            if key is not None and name == inner_name and _reusable_outputs(outputs):
+            if key is not None and name == inner_name and reusable_outputs(outputs):
                 reusable[key] = _Reusable(piece.index, compiled, tuple(outputs))
         for s, value in zip(piece.outputs, outputs):
             values[s] = value

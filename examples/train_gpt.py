@@ -273,7 +273,9 @@ def main(argv: list[str] | None = None) -> None:
         if rank == 0:
             print(f"compare with {args.compare}: max |param diff| {diff:.3e}, "
                   f"median step time ratio ddp_split/{args.compare} {ratio:.3f}")
-    dist.destroy_process_group()
+    # Reducers first, then the process group: see Note [Teardown deadlock] in
+    # ddp_split_backend/teardown.py (a plain destroy_process_group() can hang at exit).
+    ddp_split_backend.close_ddp(*(trainer.model for trainer in trainers))
 
 
 if __name__ == "__main__":

@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import copy
+import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.fx as fx
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_split_backend import DDPSplitBackend, SplitConfig
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (the OS picks, so parallel runs do not collide)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def grads(module: torch.nn.Module) -> list[torch.Tensor]:
@@ -68,3 +77,28 @@ def leak_nested_inference_guards_and_raise() -> None:
     assert torch.is_inference_mode_enabled()
     torch._C._set_grad_enabled(True)
     raise RuntimeError("trace failed")
+
+
+class CountingCompiler:
+    """Inner compiler that records each piece it is given and compiles it with aot_eager."""
+
+    def __init__(self, delegate: str = "aot_eager", fail_on: set[int] | None = None) -> None:
+        self.graphs: list[fx.GraphModule] = []
+        self.example_inputs: list[list[Any]] = []
+        self.delegate = delegate
+        self.fail_on = fail_on or set()
+        self.__name__ = f"counting[{delegate}]"
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
+        index = len(self.graphs)
+        self.graphs.append(gm)
+        self.example_inputs.append(list(example_inputs))
+        if index in self.fail_on or "all" in self.fail_on:
+            raise RuntimeError(f"planned failure on piece {index}")
+        from torch._dynamo.backends.registry import lookup_backend
+
+        return lookup_backend(self.delegate)(gm, example_inputs)
+
+    @property
+    def count(self) -> int:
+        return len(self.graphs)

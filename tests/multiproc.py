@@ -1,9 +1,16 @@
-"""Run a function on N gloo ranks in spawned processes; every process is joined or killed."""
+"""Run a function on N gloo ranks in spawned processes; every process is joined or killed.
+
+A rank must write its result and then *exit 0 promptly*: a process that lingers after its
+work is a failure (a training job whose slot never frees), reported as ``rank N did not
+exit`` with the tail of that rank's output.
+"""
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -11,10 +18,17 @@ from typing import Any
 
 import torch
 
-from .conftest import free_port
+from .helpers import free_port
+
+EXIT_GRACE_S = 30.0
+"""How long a rank may take to exit after writing its result (process-group teardown,
+interpreter shutdown; well under a second when nothing hangs)."""
 
 
 def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, out: str, kwargs: dict) -> None:
+    log = os.open(f"{out}/rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(log, 1)  # C++ output too: the harness shows the tail when a rank misbehaves
+    os.dup2(log, 2)
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
@@ -23,35 +37,85 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, out: str, k
         dist.init_process_group("gloo", rank=rank, world_size=world)
         result = fn(rank, world, **kwargs)
         dist.barrier()
-        torch.save({"ok": True, "result": result}, f"{out}/rank{rank}.pt")
+        payload = {"ok": True, "result": result}
     except BaseException:
-        torch.save({"ok": False, "error": traceback.format_exc()}, f"{out}/rank{rank}.pt")
-        raise
+        payload = {"ok": False, "error": traceback.format_exc()}
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        # Reducers made by ``fn`` go while the group is alive: Note [Teardown deadlock].
+        torch._dynamo.reset()
+        gc.collect()
+    torch.save(payload, f"{out}/rank{rank}.tmp")
+    os.replace(f"{out}/rank{rank}.tmp", f"{out}/rank{rank}.pt")  # appears whole or not at all
+    print(f"rank {rank}: result written", flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if not payload["ok"]:
+        raise SystemExit(1)
 
 
-def run_ranks(fn: Callable[..., Any], tmp: Path, world: int = 2, timeout: float = 300, **kwargs: Any) -> list[Any]:
-    """``fn(rank, world, **kwargs)`` on every rank; returns each rank's result."""
+def _tail(path: Path, lines: int = 40) -> str:
+    if not path.exists():
+        return "(no output)"
+    text = path.read_text(errors="replace").splitlines()
+    return "\n".join(text[-lines:])
+
+
+def _wait(procs: list[Any], tmp: Path, timeout: float, grace: float) -> None:
+    """Until every rank exited; fails on a rank that outlives ``timeout`` or lingers more than
+    ``grace`` seconds after writing its result."""
+    start = time.monotonic()
+    written: dict[int, float] = {}
+    while any(p.is_alive() for p in procs):
+        now = time.monotonic()
+        for rank, p in enumerate(procs):
+            if not p.is_alive():
+                continue
+            if rank not in written and (tmp / f"rank{rank}.pt").exists():
+                written[rank] = now
+            if rank in written and now - written[rank] > grace:
+                raise AssertionError(
+                    f"rank {rank} did not exit within {grace:g} s after writing its result; "
+                    f"last output:\n{_tail(tmp / f'rank{rank}.log')}"
+                )
+            if now - start > timeout:
+                raise AssertionError(
+                    f"rank {rank} did not finish within {timeout:g} s; last output:\n"
+                    f"{_tail(tmp / f'rank{rank}.log')}"
+                )
+        time.sleep(0.05)
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    tmp: Path,
+    world: int = 2,
+    timeout: float = 300,
+    grace: float = EXIT_GRACE_S,
+    **kwargs: Any,
+) -> list[Any]:
+    """``fn(rank, world, **kwargs)`` on every rank; returns each rank's result.
+
+    Fails when a rank raises, does not finish within ``timeout`` seconds, does not exit
+    within ``grace`` seconds after writing its result, or exits with a non-zero code.
+    """
     ctx = mp.get_context("spawn")
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(fn, r, world, port, str(tmp), kwargs)) for r in range(world)]
     for p in procs:
         p.start()
     try:
-        for p in procs:
-            p.join(timeout)
+        _wait(procs, tmp, timeout, grace)
     finally:
         for p in procs:
             if p.is_alive():
                 p.kill()
-                p.join()
+            p.join()
     results = []
-    for r in range(world):
+    for r, p in enumerate(procs):
         path = tmp / f"rank{r}.pt"
-        assert path.exists(), f"rank {r} wrote no result (exit code {procs[r].exitcode})"
+        assert path.exists(), f"rank {r} wrote no result (exit code {p.exitcode}):\n{_tail(tmp / f'rank{r}.log')}"
         payload = torch.load(path, weights_only=False)
         assert payload["ok"], f"rank {r} failed:\n{payload['error']}"
+        assert p.exitcode == 0, f"rank {r} exited with code {p.exitcode}:\n{_tail(tmp / f'rank{r}.log')}"
         results.append(payload["result"])
     return results

@@ -16,7 +16,7 @@ from ddp_split_backend import DDPSplitBackend, SplitConfig
 from ddp_split_backend.compile import EAGER_FALLBACK
 from ddp_split_backend.runtime import AutogradCheckpoint, GlobalState, attempt
 
-from .conftest import CountingCompiler
+from .helpers import CountingCompiler
 from .helpers import grads, leak_nested_inference_guards_and_raise
 from .models import MLP, StateRegions
 

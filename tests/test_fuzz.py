@@ -49,7 +49,7 @@ from hypothesis.control import currently_in_test_context
 from hypothesis.errors import UnsatisfiedAssumption
 from hypothesis import strategies as st
 
-from ddp_split_backend import DDPSplitBackend, SplitConfig
+from ddp_split_backend import DDPSplitBackend, SplitConfig, ddp_split
 from ddp_split_backend.plan import layout_graph
 from ddp_split_backend.compile import copy_module
 from ddp_split_backend.runtime import (
@@ -62,14 +62,24 @@ from ddp_split_backend.runtime import (
 from ddp_split_backend.split import split_graph
 from ddp_split_backend.state import Ambient
 
-from .helpers import leak_nested_inference_guards_and_raise
+from .helpers import CountingCompiler, leak_nested_inference_guards_and_raise
+
+pytestmark = pytest.mark.fuzz
 
 # ---------------------------------------------------------------------------------------
 # Program specs
 # ---------------------------------------------------------------------------------------
 
-OPS = ("linear", "tanh", "relu", "sin", "double", "residual")
-"""Leaf ops. ``residual`` adds the input of the innermost enclosing body."""
+OPS = ("linear", "tanh", "relu", "sin", "double", "residual", "roll", "ellipsis", "dtype", "zeros", "memory_format")
+"""Leaf ops. ``residual`` adds the input of the innermost enclosing body. The last five put
+the node arguments Dynamo records into the graph: slices (``roll``), ``Ellipsis`` and
+``None`` indices (``ellipsis``), dtypes (``dtype``), sizes, dtypes and devices as keywords
+(``zeros``), memory formats (``memory_format``)."""
+
+PATHS = ("name", "counting")
+"""How ddp_split is reached: ``name`` is the path users take (``backend="ddp_split"``, inner
+backend by name, default options, so identical pieces are shared); ``counting`` passes a
+counting callable as the inner backend (every piece compiled on its own)."""
 
 REGIONS = (
     "no_grad",
@@ -100,6 +110,7 @@ class Program(NamedTuple):
     ambient_grad: bool = True
     bucket_cap_mb: float = 0.001
     first_bucket_cap_mb: float | None = None
+    path: str = "name"
 
 
 def _note(text: str) -> None:
@@ -158,6 +169,16 @@ class FuzzNet(nn.Module):
                 x = x * 2
             elif item == "residual":
                 x = x + skip
+            elif item == "roll":
+                x = torch.cat([x[:, 1:], x[:, :1]], dim=1)
+            elif item == "ellipsis":
+                x = x[..., None][:, None, ..., 0].squeeze(1)
+            elif item == "dtype":
+                x = (x.to(torch.float64) * 0.5).to(x.dtype)
+            elif item == "zeros":
+                x = x + torch.zeros(x.size(), dtype=x.dtype, device=x.device)
+            elif item == "memory_format":
+                x = x.contiguous(memory_format=torch.contiguous_format)
             else:
                 raise ValueError(item)
         return x, k
@@ -208,6 +229,11 @@ _OP_SOURCE = {
     "sin": "{x} = torch.sin({x})",
     "double": "{x} = {x} * 2",
     "residual": "{x} = {x} + {skip}",
+    "roll": "{x} = torch.cat([{x}[:, 1:], {x}[:, :1]], dim=1)",
+    "ellipsis": "{x} = {x}[..., None][:, None, ..., 0].squeeze(1)",
+    "dtype": "{x} = ({x}.to(torch.float64) * 0.5).to({x}.dtype)",
+    "zeros": "{x} = {x} + torch.zeros({x}.size(), dtype={x}.dtype, device={x}.device)",
+    "memory_format": "{x} = {x}.contiguous(memory_format=torch.contiguous_format)",
 }
 _REGION_SOURCE = {
     "no_grad": "torch.no_grad()",
@@ -293,6 +319,7 @@ def programs(draw: st.DrawFn) -> Program:
         ambient_grad=draw(st.integers(0, 3)) > 0,
         bucket_cap_mb=cap,
         first_bucket_cap_mb=None if first is None else min(first, cap),
+        path=draw(st.sampled_from(PATHS)),
     )
 
 
@@ -398,23 +425,29 @@ def check_program(program: Program) -> None:
         assume(False)
 
     split_model = copy.deepcopy(base)
-    backend = DDPSplitBackend(
-        SplitConfig(
-            inner="aot_eager",
-            bucket_cap_mb=program.bucket_cap_mb,
-            first_bucket_cap_mb=program.first_bucket_cap_mb,
-        )
-    )
+    options = {"inner": "aot_eager", "bucket_cap_mb": program.bucket_cap_mb}
+    if program.first_bucket_cap_mb is not None:
+        options["first_bucket_cap_mb"] = program.first_bucket_cap_mb
+    if program.path == "name":  # the shared instance registered as "ddp_split"
+        backend = ddp_split
+        backend.records.clear()
+        compile_kwargs: dict[str, Any] = {"backend": "ddp_split", "options": options}
+    else:
+        backend = DDPSplitBackend(SplitConfig(**{**options, "inner": CountingCompiler()}))
+        compile_kwargs = {"backend": backend}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        compiled = torch.compile(split_model, backend=backend)
+        compiled = torch.compile(split_model, **compile_kwargs)
         actual, error = _attempt(lambda: _run_once(split_model, compiled, program, x))
     after = GlobalState.capture()
     leaked_dual_level = restore(before)
     torch._dynamo.reset()
-    for record in backend.records:
+    records = list(backend.records)
+    if any(c.startswith("aot_eager (same as") for r in records for c in r.compiled_by):
+        _event("identical pieces shared")
+    for record in records:
         _note(record.plan.table())
-    pieces = max((len(r.plan.buckets) for r in backend.records), default=0)
+    pieces = max((len(r.plan.buckets) for r in records), default=0)
     _event(f"pieces (largest graph): {pieces if pieces < 4 else '4+'}")
     fallbacks = [str(w.message) for w in caught if "failed on piece" in str(w.message)]
     if fallbacks:

@@ -10,7 +10,7 @@ import torch.utils.checkpoint as checkpoint
 
 from ddp_split_backend import DDPSplitBackend, SplitConfig
 
-from .conftest import CountingCompiler
+from .helpers import CountingCompiler
 from .helpers import compare_with_eager_ddp, grads
 from .models import MLP, WithBatchNorm
 

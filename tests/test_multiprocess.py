@@ -10,6 +10,8 @@ import torch
 from .ddp_cases import CASES, run_all_cases
 from .multiproc import run_ranks
 
+pytestmark = pytest.mark.multiprocess
+
 
 def _autocast_sgd_worker(rank: int, world: int, steps: int = 3) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP

@@ -14,6 +14,8 @@ import torch
 
 from .multiproc import run_ranks
 
+pytestmark = pytest.mark.multiprocess
+
 BATCHES = [8, 12, 8, 16, 12, 8]  # one per 50 steps: three distinct sizes
 
 

@@ -1,0 +1,131 @@
+"""Identical-piece reuse: when two pieces may share one compiled function.
+
+Repeated blocks (transformer layers, residual stages) split into pieces with the same ops on
+inputs with the same metadata. Such pieces compile to interchangeable code, so the compile
+stage compiles the first and hands its function to the others. Whether two pieces are alike
+is decided by a *structure key*: a hashable description of the piece's ops, their arguments
+and its inputs' metadata.
+
+The key is conservative by construction: every node argument is described by a tagged,
+hashable value; an argument it does not know how to describe (a tensor constant, an opaque
+object) makes the piece not reusable. Computing a key never raises, so this optimisation can
+never fail a frame: when it cannot decide, it does not reuse.
+"""
+
+from __future__ import annotations
+
+import enum
+import types
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+__all__ = ["fresh_outputs", "reusable_outputs", "structure_key"]
+
+
+class _NotDescribable(Exception):
+    """An argument the key cannot describe faithfully: the piece is not shared."""
+
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, type(Ellipsis))
+_TORCH_ATOMS = (torch.dtype, torch.device, torch.layout, torch.memory_format)
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def _arg_key(value: Any, position: dict[fx.Node, int]) -> object:
+    """A hashable description of one node argument; equal descriptions mean equal arguments.
+
+    Every description carries its type, so ``1``, ``1.0`` and ``True`` (equal and of equal
+    hash in Python) stay apart, as do a list and a tuple of the same items.
+    """
+    if isinstance(value, fx.Node):
+        return ("node", position[value])
+    kind = type(value)
+    if kind in _PLAIN:
+        return (kind.__name__, value)
+    if isinstance(value, _TORCH_ATOMS):
+        return (kind.__name__, str(value))
+    if isinstance(value, torch.Size):
+        return ("Size", tuple(_arg_key(v, position) for v in value))
+    if isinstance(value, _SYMBOLIC):
+        return (kind.__name__, str(value))
+    if isinstance(value, slice):
+        return ("slice", tuple(_arg_key(v, position) for v in (value.start, value.stop, value.step)))
+    if isinstance(value, (tuple, list)):  # also named tuples: their type is part of the key
+        return (kind.__qualname__, kind.__module__, tuple(_arg_key(v, position) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple((_arg_key(k, position), _arg_key(v, position)) for k, v in value.items()))
+    if isinstance(value, enum.Enum):
+        return ("enum", kind.__module__, kind.__qualname__, value.name)
+    if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return ("callable", _target_key(value))
+    raise _NotDescribable(kind.__qualname__)
+
+
+def _target_key(target: object) -> object:
+    if isinstance(target, str):
+        return ("name", target)
+    # The object itself identifies the target; module and name make the key readable.
+    return ("object", getattr(target, "__module__", None), getattr(target, "__qualname__", None), id(target))
+
+
+def _input_key(value: Any) -> object:
+    if isinstance(value, torch.Tensor):
+        return (
+            "tensor", tuple(str(s) for s in value.shape), tuple(str(s) for s in value.stride()),
+            value.dtype, value.device, value.requires_grad, isinstance(value, torch.nn.Parameter),
+        )
+    return ("input", _arg_key(value, {}))
+
+
+def structure_key(gm: fx.GraphModule, args: Sequence[Any], grad: bool) -> tuple | None:
+    """A key equal for two pieces that compile to interchangeable code, else ``None``.
+
+    Equal keys mean: the same ops with the same arguments, inputs with the same metadata,
+    called in the same grad mode (AOTAutograd decides at trace time whether to record a
+    backward). Pieces holding attributes (constants, submodules) are never shared, nor are
+    pieces with an argument the key cannot describe.
+    """
+    position: dict[fx.Node, int] = {}
+    parts: list[object] = []
+    try:
+        for i, node in enumerate(gm.graph.nodes):
+            if node.op == "get_attr":
+                return None
+            position[node] = i
+            target = _target_key(node.target) if node.op != "placeholder" else None
+            arguments = _arg_key(node.args, position)
+            keywords = tuple((k, _arg_key(v, position)) for k, v in node.kwargs.items())
+            parts.append((node.op, target, arguments, keywords))
+        key = (grad, tuple(parts), tuple(_input_key(a) for a in args))
+        hash(key)
+    except (_NotDescribable, TypeError):
+        return None
+    return key
+
+
+def reusable_outputs(outputs: Sequence[Any]) -> bool:
+    """Outputs whose sizes hold symbols made inside the piece cannot be shared."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    return not any(free_unbacked_symbols(o) for o in outputs)
+
+
+def fresh_outputs(template: Sequence[Any], fake_mode: Any) -> list[Any]:
+    """New fake tensors with the metadata of a shared piece's outputs."""
+    fresh: list[Any] = []
+    with fake_mode, torch.enable_grad():  # the clone below must record autograd history
+        for value in template:
+            if isinstance(value, torch.Tensor):
+                tensor = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+                tensor.requires_grad_(value.requires_grad)
+                if value.requires_grad and not value.is_leaf:  # an activation, as the original
+                    tensor = tensor.clone()
+                    if tensor.stride() != value.stride():
+                        tensor = tensor.as_strided(value.shape, value.stride())
+                fresh.append(tensor)
+            else:
+                fresh.append(value)
+    return fresh

@@ -1,0 +1,115 @@
+"""Identical-piece reuse: keys for every argument Dynamo records, never an exception."""
+
+from __future__ import annotations
+
+import enum
+import types
+from typing import Any
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from ddp_split_backend import ddp_split
+from ddp_split_backend.reuse import structure_key
+
+
+class Color(enum.Enum):
+    RED = 1
+
+
+def _graph_with_arg(arg: object) -> Any:
+    """A one-op graph holding ``arg`` (not code-generated: some arguments have no source)."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    graph.output(graph.call_function(torch.ops.aten.view.default, (x, arg)))
+    return types.SimpleNamespace(graph=graph)
+
+
+DESCRIBABLE = {
+    "slice": slice(None, 3, None),
+    "slice_of_node_free_ints": (slice(1, None), Ellipsis, None),
+    "ellipsis": Ellipsis,
+    "dtype": torch.bfloat16,
+    "device": torch.device("cpu"),
+    "memory_format": torch.channels_last,
+    "layout": torch.strided,
+    "size": torch.Size([2, 3]),
+    "enum": Color.RED,
+    "nested": {"a": [1, (2.0, slice(0, 1))], "b": (None, True)},
+    "function": torch.add,
+    "complex": 1j,
+}
+
+
+@pytest.mark.parametrize("arg", list(DESCRIBABLE.values()), ids=list(DESCRIBABLE))
+def test_key_describes_every_argument_kind_dynamo_records(arg: object) -> None:
+    key = structure_key(_graph_with_arg(arg), [torch.randn(2, 3)], grad=True)
+    assert key is not None
+    hash(key)
+    assert key == structure_key(_graph_with_arg(arg), [torch.randn(2, 3)], grad=True)
+
+
+@pytest.mark.parametrize(
+    "a, b",
+    [(1, 1.0), (1, True), ((1, 2), [1, 2]), (slice(0, 2), slice(0, 3)), (torch.float16, torch.bfloat16)],
+    ids=["int-float", "int-bool", "tuple-list", "slice-bounds", "dtype"],
+)
+def test_different_arguments_give_different_keys(a: object, b: object) -> None:
+    x = [torch.randn(2, 3)]
+    assert structure_key(_graph_with_arg(a), x, grad=True) != structure_key(_graph_with_arg(b), x, grad=True)
+
+
+@pytest.mark.parametrize(
+    "arg", [torch.ones(2), object(), [torch.ones(1)]], ids=["tensor-constant", "opaque-object", "tensor-in-list"]
+)
+def test_argument_it_cannot_describe_makes_piece_not_reusable(arg: object) -> None:
+    assert structure_key(_graph_with_arg(arg), [torch.randn(2, 3)], grad=True) is None
+
+
+def test_grad_mode_and_input_metadata_are_part_of_the_key() -> None:
+    gm = _graph_with_arg(slice(None))
+    base = structure_key(gm, [torch.randn(2, 3)], grad=True)
+    assert base != structure_key(gm, [torch.randn(2, 3)], grad=False)
+    assert base != structure_key(gm, [torch.randn(3, 2)], grad=True)
+    assert base != structure_key(gm, [torch.randn(2, 3, dtype=torch.float64)], grad=True)
+
+
+class SlicingBlocks(nn.Module):
+    """The minimal program of the crash: repeated blocks whose forward slices and indexes
+    with ``Ellipsis``/``None`` (what every transformer's attention does)."""
+
+    def __init__(self, width: int = 32, depth: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(width, width) for _ in range(depth)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            h = layer(x)
+            x = x + torch.cat([h[:, 1:], h[:, :1]], dim=1)[..., None].squeeze(-1)
+        return x
+
+
+def test_regression_slices_in_pieces_compile_by_name_and_share_pieces() -> None:
+    """Was ``TypeError: unhashable type: 'slice'`` for every piece holding a slice, failing the
+    whole frame, on the default path (inner by name, reuse on)."""
+    torch.manual_seed(0)
+    model = SlicingBlocks()
+    x = torch.randn(4, 32, requires_grad=True)
+    expected = model(x)
+    expected.sum().backward()
+    expected_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    x.grad = None
+    ddp_split.records.clear()
+    compiled = torch.compile(model, backend="ddp_split", options={"inner": "aot_eager", "bucket_cap_mb": 0.004})
+    actual = compiled(x)
+    actual.sum().backward()
+    torch.testing.assert_close(actual, expected)
+    for p, g in zip(model.parameters(), expected_grads, strict=True):
+        torch.testing.assert_close(p.grad, g)
+    (record,) = ddp_split.records
+    assert len(record.plan.buckets) == 4
+    shared = [c for c in record.compiled_by if c.startswith("aot_eager (same as piece")]
+    assert len(shared) >= 2, record.compiled_by  # the middle blocks reuse one compile
