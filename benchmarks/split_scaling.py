@@ -45,7 +45,8 @@ from torch.fx.passes.split_module import split_module
 
 from ddp_split_backend import SplitConfig, plan_split
 from ddp_split_backend.params import find_params
-from ddp_split_backend.plan import layout_graph, plan_buckets
+from ddp_split_backend.layout import layout_graph
+from ddp_split_backend.plan import plan_buckets
 from ddp_split_backend.split import split_graph
 from ddp_split_backend.state import Ambient
 

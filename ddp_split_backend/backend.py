@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import warnings
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,19 +20,18 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .compile import EAGER_FALLBACK, CompiledPieces, PieceFailure, compile_pieces, copy_module
+from . import _torch
+from .compile import CompiledPieces, InnerCompile, Outcome, PieceRecord, compile_pieces, compile_whole
 from .config import BACKEND_NAME, SplitConfig, SplitConfigError
 from .diagnostics import log_compiled
+from .layout import GraphLayout, layout_graph
 from .params import find_params
-from .plan import BucketPlan, GraphLayout, SplitPlan, layout_graph, plan_buckets
-from .runtime import GuardedCallable, StitchedCallable, call_inner, track_state_calls
+from .plan import BucketPlan, SplitPlan, plan_buckets
+from .runtime import GuardedCallable, StitchedCallable
 from .split import split_graph
 from .state import Ambient, classify
 
 __all__ = ["CompileRecord", "DDPSplitBackend", "ddp_split", "plan_split"]
-
-
-_DDP_OPTIMIZER_MARK = "DDPOptimizer"
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,16 +39,19 @@ class CompileRecord:
     """What the backend did with one graph: its plan and how each piece was compiled."""
 
     plan: SplitPlan
-    compiled_by: tuple[str, ...]
-    failures: tuple[PieceFailure, ...]
+    pieces: tuple[PieceRecord, ...]
+    backward_order: tuple[int, ...] = ()
+    """Pieces whose AOT forward metadata waits for their backward compile, in push order."""
 
+    @property
+    def compiled_by(self) -> tuple[str, ...]:
+        """Per piece, for people: ``inductor``, ``inductor (same as piece 3)``, ``eager (fallback)``."""
+        return tuple(r.describe() for r in self.pieces)
 
-def _active_ddp_module() -> torch.nn.Module | None:
-    if not torch.distributed.is_available():
-        return None
-    from torch.nn.parallel import DistributedDataParallel
-
-    return DistributedDataParallel._get_active_ddp_module()
+    @property
+    def failures(self) -> tuple[PieceRecord, ...]:
+        """The pieces the inner backend failed on (they run eagerly)."""
+        return tuple(r for r in self.pieces if r.outcome is Outcome.EAGER_FALLBACK)
 
 
 def _ddp_names(ddp_module: torch.nn.Module | None) -> tuple[dict[int, str], frozenset[str]]:
@@ -70,13 +73,8 @@ def _user_fqn(name: str) -> str:
 
 def _graph_name(index: int) -> str:
     """``graph 3 [1/0]``: our count, and Dynamo's frame/recompile id when compiling under it."""
-    compile_id = torch._guards.CompileContext.current_compile_id()
+    compile_id = _torch.CompileContext.current_compile_id()
     return f"graph {index} [{compile_id}]" if compile_id is not None else f"graph {index}"
-
-
-def _is_ddp_optimizer_piece(gm: fx.GraphModule) -> bool:
-    reason = getattr(gm, "compile_subgraph_reason", None)
-    return _DDP_OPTIMIZER_MARK in str(getattr(reason, "reason", reason or ""))
 
 
 def plan_split(
@@ -108,7 +106,7 @@ def _plan_with_layout(
     ddp_module: torch.nn.Module | None,
     graph_name: str,
 ) -> tuple[SplitPlan, GraphLayout]:
-    ddp_module = ddp_module if ddp_module is not None else _active_ddp_module()
+    ddp_module = ddp_module if ddp_module is not None else _torch.active_ddp_module()
     names, ignored = _ddp_names(ddp_module)
     layout = layout_graph(gm, Ambient.capture())
     params = find_params(gm, layout.nodes, example_inputs, names=names, ddp_ignored=ignored)
@@ -116,19 +114,24 @@ def _plan_with_layout(
     return plan, layout
 
 
-def _resolve_inner(inner: str | Callable[..., Any]) -> tuple[Callable[..., Any], str]:
+def _inner_compile(config: SplitConfig) -> InnerCompile:
+    inner = config.inner
+    raise_on_failure = config.on_inner_failure == "raise"
     if isinstance(inner, str):
-        from torch._dynamo.backends.registry import lookup_backend
-
-        return lookup_backend(inner), inner
-    return inner, getattr(inner, "__name__", type(inner).__name__)
+        return InnerCompile(_torch.lookup_backend(inner), inner, raise_on_failure)
+    return InnerCompile(inner, getattr(inner, "__name__", type(inner).__name__), raise_on_failure)
 
 
-def _whole_graph_plan(gm: fx.GraphModule, config: SplitConfig, source: str, note: str) -> SplitPlan:
+def _ddp_optimizer_piece_plan(gm: fx.GraphModule, config: SplitConfig, graph_name: str) -> SplitPlan:
     count = sum(1 for n in gm.graph.nodes if n.op not in ("placeholder", "get_attr", "output"))
     bucket = BucketPlan(piece=0, bucket=0, nbytes=0, params=(), start=0, stop=count)
     return SplitPlan(
-        buckets=(bucket,), caps=config.caps(), node_count=count, source=source, notes=(note,)
+        buckets=(bucket,),
+        caps=config.caps(_torch.active_ddp_module()),
+        node_count=count,
+        source="DDPOptimizer piece",
+        graph_name=graph_name,
+        notes=("torch's DDPOptimizer already cut this graph; ddp_split compiled the piece whole",),
     )
 
 
@@ -151,6 +154,8 @@ class DDPSplitBackend:
         self.records: collections.deque[CompileRecord] = collections.deque(maxlen=keep_records)
         """The last graphs compiled, oldest first."""
         self._warned_ddp_optimizer = False
+        self._graph_count = itertools.count()
+        """Graphs compiled so far (``records`` keeps only the last ``keep_records``)."""
 
     @property
     def plans(self) -> list[SplitPlan]:
@@ -170,56 +175,32 @@ class DDPSplitBackend:
                 "inner backend. Pass options={'inner': ...} instead."
             )
         config = self.config if options is None else SplitConfig.from_options(options)
-        inner, inner_name = _resolve_inner(config.inner)
-        graph_name = _graph_name(len(self.records))
+        inner = _inner_compile(config)
+        graph_name = _graph_name(next(self._graph_count))
 
-        if _is_ddp_optimizer_piece(gm):
+        if _torch.is_ddp_optimizer_piece(gm):
             self._warn_ddp_optimizer()
-            plan = _whole_graph_plan(
-                gm,
-                config,
-                "DDPOptimizer piece",
-                "torch's DDPOptimizer already cut this graph; ddp_split compiled the piece whole",
-            )
-            return self._compile_whole(gm, example_inputs, inner, inner_name, plan)
+            plan = _ddp_optimizer_piece_plan(gm, config, graph_name)
+            return self._finish(plan, None, gm, compile_whole(gm, example_inputs, inner))
 
         plan, layout = _plan_with_layout(gm, example_inputs, config, None, graph_name)
         if len(plan.buckets) == 1:
-            return self._compile_whole(gm, example_inputs, inner, inner_name, plan)
-
+            return self._finish(plan, None, gm, compile_whole(gm, example_inputs, inner))
         split = split_graph(gm, layout, plan.cuts)
-        compiled: CompiledPieces = compile_pieces(
-            split, example_inputs, inner, inner_name, reuse=config.reuse
-        )
-        self.records.append(CompileRecord(plan, compiled.compiled_by, compiled.failures))
-        log_compiled(plan, split, compiled.compiled_by)
-        return StitchedCallable(split, compiled.callables, compiled.compiled_by)
+        return self._finish(plan, split, gm, compile_pieces(split, example_inputs, inner, reuse=config.reuse))
 
-    def _compile_whole(
-        self,
-        gm: fx.GraphModule,
-        example_inputs: Sequence[Any],
-        inner: Callable[..., Any],
-        inner_name: str,
-        plan: SplitPlan,
-    ) -> Callable[..., Any]:
-        pristine = copy_module(gm)
-        compiled, error = call_inner(inner, gm, list(example_inputs))
-        if compiled is None:
-            warnings.warn(
-                f"ddp_split: inner backend {inner_name!r} failed on piece 0 of 1; running it "
-                f"eagerly. Error: {(error or '')[:2000]}",
-                stacklevel=3,
-            )
-            failure = PieceFailure(0, error or "")
-            self.records.append(CompileRecord(plan, (EAGER_FALLBACK,), (failure,)))
-            log_compiled(plan, None, (EAGER_FALLBACK,))
-            return GuardedCallable(track_state_calls(pristine), EAGER_FALLBACK)
-        self.records.append(CompileRecord(plan, (inner_name,), ()))
-        log_compiled(plan, None, (inner_name,))
-        if any(classify(n) is not None for n in gm.graph.nodes):
-            return GuardedCallable(compiled, inner_name)
-        return compiled
+    def _finish(self, plan: SplitPlan, split: Any, gm: fx.GraphModule, compiled: CompiledPieces) -> Callable[..., Any]:
+        """Record and log what was done; wrap the callables for run time."""
+        record = CompileRecord(plan, compiled.records, compiled.backward_order)
+        self.records.append(record)
+        log_compiled(plan, split, record.compiled_by)
+        if split is not None:
+            return StitchedCallable(split, compiled.callables, record.compiled_by)
+        (fn,) = compiled.callables
+        changes_state = any(classify(n) is not None for n in gm.graph.nodes)
+        if changes_state or record.failures:
+            return GuardedCallable(fn, record.compiled_by[0])
+        return fn
 
     def _warn_ddp_optimizer(self) -> None:
         if self._warned_ddp_optimizer:

@@ -1,15 +1,17 @@
-"""Compile the pieces of a split graph in order with the inner backend.
+"""Compile graphs with the inner backend: a split graph piece by piece, or a graph whole.
 
 Each piece is compiled with fake example inputs: the graph's own fake inputs, and for values
 made by earlier pieces the fake outputs of those pieces as *compiled* (inductor may choose
 output strides that differ from eager's; with ``fakify_first_call`` the AOTAutograd runtime
 returns outputs with the strides the compiled code really produces). A piece the inner
-backend cannot compile runs eagerly; the others stay compiled.
+backend cannot compile runs eagerly (``on_inner_failure="eager"``) or its error propagates
+(``"raise"``). Every compile says what happened in a :class:`PieceRecord`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -17,42 +19,76 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._dynamo.backends.distributed import DDPOptimizerContext
-from torch._guards import TracingContext, detect_fake_mode
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from . import _torch
+from .guards import Attempt, attempt, call_inner, preserve_global_state, track_state_calls
 from .reuse import fresh_outputs, reusable_outputs, structure_key
-from .runtime import attempt, call_inner, preserve_global_state, track_state_calls
-from .split import SplitGraph
+from .split import Piece, SplitGraph
 
-__all__ = ["EAGER_FALLBACK", "CompiledPieces", "PieceFailure", "compile_pieces", "copy_module"]
+__all__ = ["CompiledPieces", "Outcome", "PieceRecord", "compile_pieces", "compile_whole", "copy_module"]
 
 CompilerFn = Callable[[fx.GraphModule, list[Any]], Callable[..., Any]]
 
 
+class Outcome(enum.Enum):
+    """How one piece ended up compiled."""
+
+    COMPILED = "compiled"
+    """Compiled by the inner backend."""
+    SHARED = "shared"
+    """Uses the function compiled for an identical earlier piece (``shared_with``)."""
+    EAGER_FALLBACK = "eager fallback"
+    """The inner backend failed on it; the piece's FX code runs as Python."""
+
+
 @dataclass(frozen=True, slots=True)
-class PieceFailure:
-    """The inner backend raised on a piece; the piece runs eagerly."""
+class PieceRecord:
+    """What the compile stage did with one piece."""
 
     piece: int
-    error: str
+    outcome: Outcome
+    backend: str
+    """The inner backend's name."""
+    shared_with: int | None = None
+    """For :attr:`Outcome.SHARED`: the piece whose compiled function this one runs."""
+    error: BaseException | None = None
+    """For :attr:`Outcome.EAGER_FALLBACK`: what the inner backend (or the compiled piece's
+    first, fake call) raised, with its traceback."""
+
+    def describe(self) -> str:
+        """``inductor``, ``inductor (same as piece 3)`` or ``eager (fallback)``."""
+        if self.outcome is Outcome.SHARED:
+            return f"{self.backend} (same as piece {self.shared_with})"
+        if self.outcome is Outcome.EAGER_FALLBACK:
+            return "eager (fallback)"
+        return self.backend
 
 
 @dataclass(frozen=True, slots=True)
 class CompiledPieces:
     callables: tuple[Callable[..., Any], ...]
-    compiled_by: tuple[str, ...]
-    """Per piece: the inner backend's name, or ``eager (fallback)``."""
-    failures: tuple[PieceFailure, ...]
+    records: tuple[PieceRecord, ...]
+    backward_order: tuple[int, ...] = ()
+    """Pieces whose AOT forward metadata waits for their backward compile, in the order
+    pushed (AOTAutograd pops the last first, as backward reaches the pieces)."""
 
 
-def _fake_input(node: fx.Node, example: Any, fake_mode: FakeTensorMode) -> Any:
+@dataclass(frozen=True, slots=True)
+class InnerCompile:
+    """How to compile: the inner backend and what to do when it fails."""
+
+    fn: CompilerFn
+    name: str
+    raise_on_failure: bool = False
+
+
+def _fake_input(node: fx.Node, example: Any, fake_mode: Any) -> Any:
     value = node.meta.get("example_value")
-    if isinstance(value, FakeTensor) and value.fake_mode is fake_mode:
+    if isinstance(value, _torch.FakeTensor) and value.fake_mode is fake_mode:
         return value
     if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return value
-    if isinstance(example, FakeTensor):
+    if isinstance(example, _torch.FakeTensor):
         return example
     if isinstance(example, torch.Tensor):
         return fake_mode.from_tensor(example)
@@ -60,21 +96,20 @@ def _fake_input(node: fx.Node, example: Any, fake_mode: FakeTensorMode) -> Any:
 
 
 @contextlib.contextmanager
-def _fakify_first_call(context: TracingContext | None) -> Iterator[None]:
+def _fakify_first_call(context: Any) -> Iterator[None]:
     """Like DDPOptimizer: compiled AOT pieces return output metadata on their first, fake call."""
     if context is None:
         yield
         return
-    previous = context.fakify_first_call
-    context.fakify_first_call = True
+    previous = _torch.set_fakify_first_call(context, True)
     try:
         yield
     finally:
-        context.fakify_first_call = previous
+        _torch.set_fakify_first_call(context, previous)
 
 
 @contextlib.contextmanager
-def _allow_non_fake_inputs(fake_mode: FakeTensorMode) -> Iterator[None]:
+def _allow_non_fake_inputs(fake_mode: Any) -> Iterator[None]:
     previous = fake_mode.allow_non_fake_inputs
     fake_mode.allow_non_fake_inputs = True
     try:
@@ -82,9 +117,6 @@ def _allow_non_fake_inputs(fake_mode: FakeTensorMode) -> Iterator[None]:
             yield
     finally:
         fake_mode.allow_non_fake_inputs = previous
-
-
-EAGER_FALLBACK = "eager (fallback)"
 
 
 def copy_module(gm: fx.GraphModule) -> fx.GraphModule:
@@ -98,8 +130,18 @@ def copy_module(gm: fx.GraphModule) -> fx.GraphModule:
 def _set_example_values(gm: fx.GraphModule, args: Sequence[Any]) -> None:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, value in zip(placeholders, args):
-        if "grapharg" not in node.meta:
+        if _torch.grapharg(node) is None:
             node.meta["example_value"] = value
+
+
+@dataclass(frozen=True, slots=True)
+class _Compiled:
+    fn: Callable[..., Any]
+    record: PieceRecord
+    outputs: list[Any] | None
+    """Fake outputs (``None`` when no later piece needs them)."""
+    metadata: Any
+    """AOTAutograd's forward metadata when the inner backend used AOTAutograd."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,93 +151,111 @@ class _Reusable:
     outputs: tuple[Any, ...]
 
 
-def _compile_one(
-    piece: Any,
+def _fallback(gm: fx.GraphModule, index: int, count: int, inner: InnerCompile, error: BaseException) -> Callable[..., Any]:
+    """The inner backend's failure on piece ``index``: raise it, or run the piece eagerly."""
+    where = f"piece {index} of {count} ({len(gm.graph.nodes)} nodes)"
+    if inner.raise_on_failure:
+        error.add_note(f"ddp_split: inner backend {inner.name!r} failed on {where}")
+        raise error
+    warnings.warn(
+        f"ddp_split: inner backend {inner.name!r} failed on {where}; running it eagerly. "
+        f"Error: {str(f'{type(error).__name__}: {error}')[:2000]}",
+        stacklevel=5,
+    )
+    return track_state_calls(gm)
+
+
+def _compile_unit(
+    gm: fx.GraphModule,
     args: list[Any],
-    inner: CompilerFn,
-    inner_name: str,
-    context: TracingContext | None,
-    fake_mode: FakeTensorMode,
+    inner: InnerCompile,
+    *,
+    index: int,
     count: int,
-    failures: list[PieceFailure],
-) -> tuple[Callable[..., Any], str, list[Any], Any]:
-    """Compile one piece; returns (callable, compiled_by, fake outputs, AOT fw_metadata)."""
-    _set_example_values(piece.gm, args)
-    metadata_before = context.fw_metadata if context is not None else None
-    with _fakify_first_call(context), torch.set_grad_enabled(piece.grad):
-        pristine = copy_module(piece.gm)
-        compiled, error = call_inner(inner, piece.gm, list(args))
-        used_aot = compiled is not None and context is not None and (
-            context.fw_metadata is not metadata_before
-        )
-        outputs = None
-        if compiled is not None and used_aot:
-            # The compiled piece's first call on fake inputs gives its real output metadata.
-            # It can still fail where compiling did not (AOTAutograd saving an inference
-            # tensor for backward in a piece that starts inside inference_mode, say).
-            outputs, error = attempt(_run_on_fakes, compiled, args, fake_mode)
-            if outputs is None:
-                compiled, used_aot = None, False
-        if compiled is None:
-            failures.append(PieceFailure(piece.index, error or ""))
-            warnings.warn(
-                f"ddp_split: inner backend {inner_name!r} failed on piece {piece.index} "
-                f"of {count} ({len(pristine.graph.nodes)} nodes); running that piece "
-                f"eagerly. Error: {(error or '')[:2000]}",
-                stacklevel=4,
-            )
-            compiled = track_state_calls(pristine)
-            name = EAGER_FALLBACK
-        else:
-            name = inner_name
-        if outputs is None:
-            outputs = _run_on_fakes(pristine, args, fake_mode)
-    metadata = context.fw_metadata if used_aot and context is not None else None
-    return compiled, name, outputs, metadata
+    context: Any,
+    fake_mode: Any | None,
+) -> _Compiled:
+    """Compile one graph with the inner backend. With ``fake_mode`` (a piece whose outputs
+    feed later pieces) its compiled code also runs once on fake inputs."""
+    pristine = copy_module(gm)
+    metadata_before = _torch.aot_fw_metadata(context) if context is not None else None
+    result: Attempt = call_inner(inner.fn, gm, list(args))
+    used_aot = result.ok and context is not None and _torch.aot_fw_metadata(context) is not metadata_before
+    outputs = None
+    if result.ok and used_aot and fake_mode is not None:
+        # The compiled piece's first call on fake inputs gives its real output metadata.
+        # It can still fail where compiling did not (AOTAutograd saving an inference
+        # tensor for backward in a piece that starts inside inference_mode, say).
+        run = attempt(_run_on_fakes, result.value, args, fake_mode)
+        result = Attempt(result.value) if run.ok else run
+        outputs = run.value
+    if result.ok:
+        fn, record = result.value, PieceRecord(index, Outcome.COMPILED, inner.name)
+    else:
+        fn = _fallback(pristine, index, count, inner, result.error)
+        record = PieceRecord(index, Outcome.EAGER_FALLBACK, inner.name, error=result.error)
+        used_aot = False
+    if outputs is None and fake_mode is not None:
+        outputs = _run_on_fakes(pristine, args, fake_mode)
+    metadata = _torch.aot_fw_metadata(context) if used_aot else None
+    return _Compiled(fn, record, outputs, metadata)
 
 
-def _run_on_fakes(fn: Callable[..., Any], args: Sequence[Any], fake_mode: FakeTensorMode) -> list[Any]:
+def _run_on_fakes(fn: Callable[..., Any], args: Sequence[Any], fake_mode: Any) -> list[Any]:
     with preserve_global_state(), _allow_non_fake_inputs(fake_mode):
         return list(fn(*args))
+
+
+def compile_whole(gm: fx.GraphModule, example_inputs: Sequence[Any], inner: InnerCompile) -> CompiledPieces:
+    """Compile ``gm`` as one piece (a one-bucket graph, or a piece DDPOptimizer cut)."""
+    unit = _compile_unit(gm, list(example_inputs), inner, index=0, count=1, context=None, fake_mode=None)
+    return CompiledPieces((unit.fn,), (unit.record,))
+
+
+def _has_backward(piece: Piece, args: Sequence[Any], outputs: Sequence[Any]) -> bool:
+    """Whether a backward will ever be compiled for ``piece``: AOTAutograd records autograd
+    only when called with grad mode on and some input requires grad, and backward reaches the
+    piece only through an output that requires grad."""
+    def any_grad(values: Sequence[Any]) -> bool:
+        return any(isinstance(v, torch.Tensor) and v.requires_grad for v in values)
+
+    return piece.grad and any_grad(args) and any_grad(outputs)
 
 
 def compile_pieces(
     split: SplitGraph,
     example_inputs: Sequence[Any],
-    inner: CompilerFn,
-    inner_name: str,
+    inner: InnerCompile,
     *,
     reuse: bool = False,
 ) -> CompiledPieces:
-    """Compile every piece of ``split`` with ``inner``, in order, on fake inputs.
+    """Compile every piece of ``split`` with the inner backend, in order, on fake inputs.
 
     Args:
         split: the pieces.
         example_inputs: what Dynamo passed the backend (real tensors, SymInts, ...).
-        inner: the inner compiler, ``(gm, example_inputs) -> callable``.
-        inner_name: its name, for diagnostics.
+        inner: the inner backend, its name, and whether its failures propagate.
         reuse: compile pieces with identical structure and input metadata once (see
             ``SplitConfig.reuse_identical_pieces``).
 
     Returns:
-        The compiled callables, one per piece, and the pieces that fell back to eager.
+        The callables, one per piece, and a record of how each was compiled.
     """
-    fake_mode = detect_fake_mode(example_inputs) or detect_fake_mode(
+    fake_mode = _torch.detect_fake_mode(example_inputs) or _torch.detect_fake_mode(
         [p.meta.get("example_value") for p in split.placeholders]
     )
     if fake_mode is None:
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        fake_mode = _torch.FakeTensorMode(allow_non_fake_inputs=True)
     values: list[Any] = [None] * split.num_slots
     for i, node in enumerate(split.placeholders):
         example = example_inputs[i] if i < len(example_inputs) else None
         values[i] = _fake_input(node, example, fake_mode)
 
-    context = TracingContext.try_get()
+    context = _torch.TracingContext.try_get()
     callables: list[Callable[..., Any]] = []
-    compiled_by: list[str] = []
-    failures: list[PieceFailure] = []
+    records: list[PieceRecord] = []
     reusable: dict[tuple, _Reusable] = {}
-    aot_last_use: dict[int, tuple[int, Any]] = {}  # id(fn) -> (last piece using it, fw_metadata)
+    backward_last_use: dict[int, tuple[int, Any]] = {}  # id(fn) -> (last piece using it, fw_metadata)
     count = len(split.pieces)
     for piece in split.pieces:
         args = [values[s] for s in piece.inputs]
@@ -204,27 +264,29 @@ def compile_pieces(
         if hit is not None:
             outputs = fresh_outputs(hit.outputs, fake_mode)
             callables.append(hit.fn)
-            compiled_by.append(f"{inner_name} (same as piece {hit.piece})")
-            if id(hit.fn) in aot_last_use:
-                aot_last_use[id(hit.fn)] = (piece.index, aot_last_use[id(hit.fn)][1])
+            records.append(PieceRecord(piece.index, Outcome.SHARED, inner.name, shared_with=hit.piece))
+            if id(hit.fn) in backward_last_use:
+                backward_last_use[id(hit.fn)] = (piece.index, backward_last_use[id(hit.fn)][1])
         else:
-            compiled, name, outputs, metadata = _compile_one(
-                piece, args, inner, inner_name, context, fake_mode, count, failures
-            )
-            callables.append(compiled)
-            compiled_by.append(name)
-            if metadata is not None:
-                aot_last_use[id(compiled)] = (piece.index, metadata)
-            if key is not None and name == inner_name and reusable_outputs(outputs):
-                reusable[key] = _Reusable(piece.index, compiled, tuple(outputs))
+            _set_example_values(piece.gm, args)
+            with _fakify_first_call(context), torch.set_grad_enabled(piece.grad):
+                unit = _compile_unit(
+                    piece.gm, args, inner, index=piece.index, count=count, context=context, fake_mode=fake_mode
+                )
+            outputs = unit.outputs
+            callables.append(unit.fn)
+            records.append(unit.record)
+            if unit.metadata is not None and _has_backward(piece, args, outputs):
+                backward_last_use[id(unit.fn)] = (piece.index, unit.metadata)
+            if key is not None and unit.record.outcome is Outcome.COMPILED and reusable_outputs(outputs):
+                reusable[key] = _Reusable(piece.index, unit.fn, tuple(outputs))
         for s, value in zip(piece.outputs, outputs):
             values[s] = value
+    pending = sorted(backward_last_use.values(), key=lambda t: t[0])
     if context is not None:
         # AOTAutograd compiles backward lazily, latest piece first, popping this stack; a
-        # reused function's backward is compiled at its last use (Note [DDPOptimizer and
-        # fw_metadata] in torch's runtime_wrappers.py explains the stack).
-        ddp_ctx = DDPOptimizerContext()
-        ddp_ctx.metadata_per_bucket = [m for _, m in sorted(aot_last_use.values(), key=lambda t: t[0])]
-        ddp_ctx.curr_bucket = len(ddp_ctx.metadata_per_bucket) - 1
-        context.ddp_optimizer_ctx = ddp_ctx
-    return CompiledPieces(tuple(callables), tuple(compiled_by), tuple(failures))
+        # shared function's backward is compiled at its last use (Note [DDPOptimizer and
+        # fw_metadata] in torch's runtime_wrappers.py explains the stack). Only pieces that
+        # will have a backward are pushed, so each backward compile pops its own metadata.
+        _torch.push_backward_metadata(context, [m for _, m in pending])
+    return CompiledPieces(tuple(callables), tuple(records), tuple(i for i, _ in pending))

@@ -16,6 +16,9 @@ from typing import Any
 
 import torch
 
+
+from . import _torch
+
 __all__ = [
     "BACKEND_NAME",
     "DDP_DEFAULT_BUCKET_CAP_MB",
@@ -28,11 +31,12 @@ __all__ = [
 BACKEND_NAME = "ddp_split"
 MIB = 1024 * 1024
 DDP_DEFAULT_BUCKET_CAP_MB = 25.0
+INNER_FAILURE_CHOICES = ("eager", "raise")
 
 
 def _ddp_first_bucket_bytes() -> int:
     """DDP's first-bucket size in bytes (1 MiB in torch 2.13)."""
-    return int(getattr(torch.distributed, "_DEFAULT_FIRST_BUCKET_BYTES", MIB))
+    return _torch.default_first_bucket_bytes()
 
 
 class SplitConfigError(ValueError):
@@ -68,11 +72,21 @@ class SplitConfig:
     """Compile pieces with the same ops and input metadata once (repeated transformer blocks).
     ``None``: on for registered backend names, off for callables (which may record or
     specialise per graph)."""
+    on_inner_failure: str = "eager"
+    """When the inner backend fails on a piece: ``"eager"`` runs that piece eagerly (with a
+    warning; the other pieces stay compiled), ``"raise"`` lets the inner backend's exception
+    propagate, with the piece named in a note and the global state restored."""
 
     def __post_init__(self) -> None:
         _check_inner(self.inner)
         _check_size("bucket_cap_mb", self.bucket_cap_mb)
         _check_size("first_bucket_cap_mb", self.first_bucket_cap_mb)
+        if self.on_inner_failure not in INNER_FAILURE_CHOICES:
+            raise SplitConfigError(
+                f"ddp_split option 'on_inner_failure' must be one of "
+                f"{', '.join(repr(c) for c in INNER_FAILURE_CHOICES)}, got {self.on_inner_failure!r}. "
+                "Use 'eager' to run a failing piece eagerly or 'raise' to see the inner backend's error."
+            )
         if self.reuse_identical_pieces not in (None, True, False):
             raise SplitConfigError(
                 f"ddp_split option 'reuse_identical_pieces' must be True, False or None, got "
@@ -128,9 +142,9 @@ class SplitConfig:
             first = int(self.first_bucket_cap_mb * MIB)
         else:
             first = _ddp_first_bucket_bytes()
-            bucket_config = getattr(ddp_module, "_bucket_config", None)
-            if self.bucket_cap_mb is None and bucket_config is not None:
-                first = int(bucket_config.first_bucket_bytes_cap)
+            ddp_first = _torch.ddp_first_bucket_bytes(ddp_module)
+            if self.bucket_cap_mb is None and ddp_first is not None:
+                first = ddp_first
         return BucketCaps(first_bytes=max(1, min(first, cap)), bytes=cap)
 
 
@@ -147,7 +161,7 @@ def _check_size(name: str, value: object) -> None:
 
 def available_backends() -> list[str]:
     """Every registered Dynamo backend name a piece can be compiled with."""
-    return sorted(set(torch._dynamo.list_backends(exclude_tags=())) - {BACKEND_NAME})
+    return sorted(set(_torch.list_backends(exclude_tags=())) - {BACKEND_NAME})
 
 
 def _check_inner(inner: object) -> None:

@@ -19,6 +19,9 @@ from collections.abc import Iterator
 
 import torch
 
+
+from . import _torch
+
 __all__ = ["own_split"]
 
 
@@ -33,5 +36,5 @@ def own_split() -> Iterator[None]:
             for batch in loader:
                 model(batch).sum().backward()
     """
-    with torch._dynamo.config.patch(optimize_ddp=False):
+    with _torch.dynamo_config.patch(optimize_ddp=False):
         yield

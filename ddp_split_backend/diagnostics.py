@@ -17,8 +17,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from torch._logging import trace_structured
-
+from . import _torch
 from .plan import SplitPlan
 from .split import SplitGraph
 
@@ -47,7 +46,7 @@ def log_compiled(plan: SplitPlan, split: SplitGraph | None, compiled_by: Sequenc
     """Log and trace what the backend did with one graph."""
     if log.isEnabledFor(logging.INFO):
         log.info("%s\n  compiled by: %s", plan.table(), ", ".join(compiled_by))
-    trace_structured(
+    _torch.trace_structured(
         "artifact",
         metadata_fn=lambda: {"name": "ddp_split_plan", "encoding": "json"},
         payload_fn=lambda: json.dumps({**plan_to_dict(plan), "compiled_by": list(compiled_by)}),
@@ -61,7 +60,7 @@ def log_compiled(plan: SplitPlan, split: SplitGraph | None, compiled_by: Sequenc
                 plan.graph_name, piece.index, piece.inputs, piece.outputs, piece.gm.code,
             )
     for piece in split.pieces:
-        trace_structured(
+        _torch.trace_structured(
             "artifact",
             metadata_fn=lambda k=piece.index: {"name": f"ddp_split_piece_{k}", "encoding": "string"},
             payload_fn=lambda gm=piece.gm: gm.print_readable(print_output=False),

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from . import _torch
 from .backend import plan_split
 from .config import SplitConfig
 from .ddp_mode import own_split
@@ -64,7 +65,7 @@ def explain(model: torch.nn.Module, *example_inputs: Any, **options: Any) -> Exp
     """
     config = SplitConfig.from_options(options)
     plans: list[SplitPlan] = []
-    compiled = torch._dynamo.optimize(_plan_recorder(config, plans))(model)
+    compiled = _torch.dynamo_optimize(_plan_recorder(config, plans))(model)
     with own_split():
         compiled(*example_inputs)
     return ExplainResult(tuple(plans))

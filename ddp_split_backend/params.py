@@ -14,6 +14,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+
+from . import _torch
+
 __all__ = ["ParamUse", "ParamTable", "find_params"]
 
 
@@ -63,7 +66,7 @@ def _fqn_from_source(source: Any) -> str | None:
 
 
 def _placeholder_value(node: fx.Node, example: object) -> object:
-    grapharg = node.meta.get("grapharg")
+    grapharg = _torch.grapharg(node)
     if grapharg is not None:
         try:
             real = grapharg.example
@@ -72,7 +75,7 @@ def _placeholder_value(node: fx.Node, example: object) -> object:
         if real is not None:
             return real
     if isinstance(example, torch.Tensor) and not isinstance(
-        example, torch._subclasses.FakeTensor
+        example, _torch.FakeTensor
     ):
         return example
     return node.meta.get("example_value", example)
@@ -82,7 +85,7 @@ def _placeholder_name(node: fx.Node, value: object, names: dict[int, str]) -> st
     known = names.get(id(value))
     if known is not None:
         return known
-    grapharg = node.meta.get("grapharg")
+    grapharg = _torch.grapharg(node)
     source = getattr(grapharg, "source", None) or getattr(node, "_dynamo_source", None)
     return _fqn_from_source(source) or node.name
 

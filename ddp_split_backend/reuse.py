@@ -22,6 +22,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+
+from . import _torch
+
 __all__ = ["fresh_outputs", "reusable_outputs", "structure_key"]
 
 
@@ -59,7 +62,7 @@ def _arg_key(value: Any, position: dict[fx.Node, int]) -> object:
         return ("dict", tuple((_arg_key(k, position), _arg_key(v, position)) for k, v in value.items()))
     if isinstance(value, enum.Enum):
         return ("enum", kind.__module__, kind.__qualname__, value.name)
-    if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+    if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, _torch.OpOverload, _torch.OpOverloadPacket)):
         return ("callable", _target_key(value))
     raise _NotDescribable(kind.__qualname__)
 
@@ -108,9 +111,7 @@ def structure_key(gm: fx.GraphModule, args: Sequence[Any], grad: bool) -> tuple 
 
 def reusable_outputs(outputs: Sequence[Any]) -> bool:
     """Outputs whose sizes hold symbols made inside the piece cannot be shared."""
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-
-    return not any(free_unbacked_symbols(o) for o in outputs)
+    return not any(_torch.free_unbacked_symbols(o) for o in outputs)
 
 
 def fresh_outputs(template: Sequence[Any], fake_mode: Any) -> list[Any]:

@@ -42,16 +42,17 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from .plan import GraphLayout
+from . import _torch
+from .layout import GraphLayout
 from .state import Ambient, PointState, StateKind, grad_after_enter
 
 __all__ = ["Piece", "SplitGraph", "split_graph"]
 
-_SET_GRAD = torch._C._set_grad_enabled
-_SET_FWD_GRAD = torch._C._set_fwd_grad_enabled
+_SET_GRAD = _torch.set_grad_enabled
+_SET_FWD_GRAD = _torch.set_fwd_grad_enabled
 _EXITS = {
-    StateKind.AUTOCAST: torch.amp.autocast_mode._exit_autocast,
-    StateKind.INFERENCE: torch.autograd.grad_mode._exit_inference_mode,
+    StateKind.AUTOCAST: _torch.exit_autocast,
+    StateKind.INFERENCE: _torch.exit_inference_mode,
 }
 
 
@@ -116,7 +117,7 @@ def _emit_exit(graph: fx.Graph, state: PointState, ambient: Ambient, call_grad: 
         if region.kind is StateKind.DUAL:
             dual_depth -= 1
             graph.call_function(
-                torch._functorch.predispatch._exit_dual_level, (), {"level": dual_depth}
+                _torch.exit_dual_level, (), {"level": dual_depth}
             )
             continue
         graph.call_function(_EXITS[region.kind], (env[region.enter],))

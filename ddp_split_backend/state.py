@@ -44,6 +44,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from . import _torch
+
 __all__ = [
     "Ambient",
     "OpenRegion",
@@ -79,37 +81,30 @@ class StateOp:
 
 
 def _known_targets() -> dict[object, StateOp]:
-    fp = torch._functorch.predispatch
+    fp = _torch.predispatch
     known: dict[object, StateOp] = {
-        torch._C._set_grad_enabled: StateOp(StateKind.GRAD, StateAction.SET),
-        torch._C._set_fwd_grad_enabled: StateOp(StateKind.FWD_GRAD, StateAction.SET),
-        torch.amp.autocast_mode._enter_autocast: StateOp(StateKind.AUTOCAST, StateAction.ENTER),
-        torch.amp.autocast_mode._exit_autocast: StateOp(StateKind.AUTOCAST, StateAction.EXIT),
-        torch.autograd.grad_mode._enter_inference_mode: StateOp(
-            StateKind.INFERENCE, StateAction.ENTER
-        ),
-        torch.autograd.grad_mode._exit_inference_mode: StateOp(
-            StateKind.INFERENCE, StateAction.EXIT
-        ),
-        fp._enter_dual_level: StateOp(StateKind.DUAL, StateAction.ENTER),
-        fp._exit_dual_level: StateOp(StateKind.DUAL, StateAction.EXIT),
+        _torch.set_grad_enabled: StateOp(StateKind.GRAD, StateAction.SET),
+        _torch.set_fwd_grad_enabled: StateOp(StateKind.FWD_GRAD, StateAction.SET),
+        _torch.enter_autocast: StateOp(StateKind.AUTOCAST, StateAction.ENTER),
+        _torch.exit_autocast: StateOp(StateKind.AUTOCAST, StateAction.EXIT),
+        _torch.enter_inference_mode: StateOp(StateKind.INFERENCE, StateAction.ENTER),
+        _torch.exit_inference_mode: StateOp(StateKind.INFERENCE, StateAction.EXIT),
+        _torch.enter_dual_level: StateOp(StateKind.DUAL, StateAction.ENTER),
+        _torch.exit_dual_level: StateOp(StateKind.DUAL, StateAction.EXIT),
     }
     opaque_pairs = [
         (fp._vmap_increment_nesting, fp._vmap_decrement_nesting),
         (fp._jvp_increment_nesting, fp._jvp_decrement_nesting),
-        (torch._C._functorch._vmap_increment_nesting, torch._C._functorch._vmap_decrement_nesting),
-        (torch._C._functorch._grad_increment_nesting, torch._C._functorch._grad_decrement_nesting),
-        (torch._C._functorch._jvp_increment_nesting, torch._C._functorch._jvp_decrement_nesting),
-        (torch.ops.profiler._record_function_enter_new, torch.ops.profiler._record_function_exit),
-        (
-            torch.ops.profiler._record_function_enter_new.default,
-            torch.ops.profiler._record_function_exit._RecordFunction,
-        ),
+        _torch.vmap_nesting,
+        _torch.grad_nesting,
+        _torch.jvp_nesting,
+        (_torch.record_function_enter, _torch.record_function_exit),
+        (_torch.record_function_enter.default, _torch.record_function_exit._RecordFunction),
     ]
     for enter, exit_ in opaque_pairs:
         known[enter] = StateOp(StateKind.OPAQUE, StateAction.ENTER)
         known[exit_] = StateOp(StateKind.OPAQUE, StateAction.EXIT)
-    known[torch._C._functorch.set_inplace_requires_grad_allowed] = StateOp(
+    known[_torch.set_inplace_requires_grad_allowed] = StateOp(
         StateKind.OPAQUE, StateAction.TOGGLE
     )
     return known
@@ -157,7 +152,7 @@ class Ambient:
 
     @classmethod
     def capture(cls) -> Ambient:
-        return cls(grad=torch.is_grad_enabled(), fwd_grad=torch._C._is_fwd_grad_enabled())
+        return cls(grad=torch.is_grad_enabled(), fwd_grad=_torch.is_fwd_grad_enabled())
 
 
 @dataclass(frozen=True, slots=True)

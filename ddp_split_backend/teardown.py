@@ -27,6 +27,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+
+from . import _torch
+
 __all__ = ["close_ddp"]
 
 _REDUCER_OWNERS = ("reducer", "logger")
@@ -36,7 +39,7 @@ _REDUCER_OWNERS = ("reducer", "logger")
 def _ddp_modules(module: torch.nn.Module) -> list[DistributedDataParallel]:
     """DDP modules in or around ``module``: itself, ``torch.compile``'s wrapper, submodules."""
     found = [m for m in module.modules() if isinstance(m, DistributedDataParallel)]
-    original = getattr(module, "_orig_mod", None)
+    original = _torch.compiled_original(module)
     if isinstance(original, DistributedDataParallel) and original not in found:
         found.append(original)
     return found

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from ddp_split_backend.runtime import GlobalState
+from ddp_split_backend.guards import GlobalState
 
 from .helpers import CountingCompiler, free_port
 

@@ -217,6 +217,7 @@ def run_real_case(rank: int, case: RealCase) -> dict[str, Any]:
         "graphs": len(ddp_split.records),
         "pieces": [len(r.plan.buckets) for r in ddp_split.records],
         "sources": [r.plan.source for r in ddp_split.records],
+        "outcomes": [p.outcome for r in ddp_split.records for p in r.pieces],
         "compiled_by": [c for r in ddp_split.records for c in r.compiled_by],
         "matched": sum(p in set(buckets) for p in pieces),
         "param_pieces": len(pieces),

@@ -27,6 +27,7 @@ BAD_OPTIONS = [
     ({"inner": "ddp_split"}, ["inner", "ddp_split", "split every piece again"]),
     ({"inner": 3}, ["inner", "int", "3"]),
     ({"bucket_cap_mb": 1, "first_bucket_cap_mb": 2}, ["first_bucket_cap_mb", "2", "bucket_cap_mb", "Lower"]),
+    ({"on_inner_failure": "ignore"}, ["on_inner_failure", "'ignore'", "'eager'", "'raise'"]),
 ]
 
 
@@ -69,9 +70,19 @@ def test_first_bucket_clamped_to_small_cap() -> None:
     assert caps.bytes == MIB // 4 and caps.first_bytes == MIB // 4
 
 
-def test_callable_inner_is_accepted() -> None:
-    config = SplitConfig(inner=lambda gm, inputs: gm.forward)
-    assert callable(config.inner)
+def test_callable_inner_compiles_every_piece() -> None:
+    """A callable inner backend is called once per piece (reuse is off for callables)."""
+    calls: list[int] = []
+
+    def inner(gm, inputs):
+        calls.append(len(gm.graph.nodes))
+        return gm.forward
+
+    backend = DDPSplitBackend(SplitConfig(inner=inner, bucket_cap_mb=0.015))
+    model = MLP(width=64, depth=3)
+    x = torch.randn(2, 64)
+    torch.testing.assert_close(torch.compile(model, backend=backend)(x), model(x))
+    assert len(calls) == len(backend.records[-1].plan.buckets) == 3
 
 
 def test_caps_follow_the_active_ddp_module(world1) -> None:

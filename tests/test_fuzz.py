@@ -32,7 +32,6 @@ programs, 400 FX graphs and 60 source-rendering checks, about 4 minutes on 2 CPU
 from __future__ import annotations
 
 import copy
-import gc
 import os
 import operator
 import traceback
@@ -50,15 +49,11 @@ from hypothesis.errors import UnsatisfiedAssumption
 from hypothesis import strategies as st
 
 from ddp_split_backend import DDPSplitBackend, SplitConfig, ddp_split
-from ddp_split_backend.plan import layout_graph
+from ddp_split_backend import Outcome as PieceOutcome
 from ddp_split_backend.compile import copy_module
-from ddp_split_backend.runtime import (
-    AutogradCheckpoint,
-    GlobalState,
-    StitchedCallable,
-    dual_level_open,
-    track_state_calls,
-)
+from ddp_split_backend.guards import GlobalState, attempt, dual_level_open, track_state_calls
+from ddp_split_backend.layout import layout_graph
+from ddp_split_backend.runtime import StitchedCallable
 from ddp_split_backend.split import split_graph
 from ddp_split_backend.state import Ambient
 
@@ -376,18 +371,14 @@ def restore(before: GlobalState) -> bool:
 
 
 def _attempt(fn: Any) -> tuple[Any, str | None]:
-    """``fn()``, or the formatted error it raised. The exception (and the frames of a failed
-    trace it holds, whose destructors can switch dispatcher keys back on) is dropped and
-    collected here, and the autograd state is put back: plain ``torch.compile`` itself
-    leaves inference mode on after a failed trace inside nested ``inference_mode`` regions
-    (see ``AutogradCheckpoint``), which would poison every later example."""
-    with AutogradCheckpoint():
-        try:
-            return fn(), None
-        except Exception as error:  # noqa: BLE001 - any failure is data here
-            text = "".join(traceback.format_exception(error))
-        gc.collect()
-    return None, text
+    """``fn()``, or the formatted error it raised, through :func:`guards.attempt`: the failed
+    call's frames are cleared and the autograd state put back (plain ``torch.compile`` itself
+    leaves inference mode on after a failed trace inside nested ``inference_mode`` regions,
+    see ``AutogradCheckpoint``, which would poison every later example)."""
+    result = attempt(fn)
+    if result.ok:
+        return result.value, None
+    return None, "".join(traceback.format_exception(result.error))
 
 
 def check_program(program: Program) -> None:
@@ -443,7 +434,7 @@ def check_program(program: Program) -> None:
     leaked_dual_level = restore(before)
     torch._dynamo.reset()
     records = list(backend.records)
-    if any(c.startswith("aot_eager (same as") for r in records for c in r.compiled_by):
+    if any(p.outcome is PieceOutcome.SHARED for r in records for p in r.pieces):
         _event("identical pieces shared")
     for record in records:
         _note(record.plan.table())

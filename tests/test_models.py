@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint as checkpoint
 
-from ddp_split_backend import DDPSplitBackend, SplitConfig
+from ddp_split_backend import DDPSplitBackend, Outcome, SplitConfig
 
 from .helpers import CountingCompiler
 from .helpers import compare_with_eager_ddp, grads
@@ -231,8 +231,11 @@ def test_inner_failure_on_one_piece_runs_it_eagerly(counting) -> None:
     with pytest.warns(UserWarning, match=r"failed on piece 1 of 4.*planned failure"):
         _check_eager_equal(model, [torch.randn(3, 16)], backend)
     record = backend.records[-1]
-    assert record.compiled_by[1] == "eager (fallback)"
-    assert [c for i, c in enumerate(record.compiled_by) if i != 1] == [failing.__name__] * 3
+    assert record.pieces[1].outcome is Outcome.EAGER_FALLBACK
+    assert isinstance(record.pieces[1].error, RuntimeError) and record.pieces[1].error.__traceback__ is not None
+    assert [(r.outcome, r.backend) for i, r in enumerate(record.pieces) if i != 1] == [
+        (Outcome.COMPILED, failing.__name__)
+    ] * 3
     assert [f.piece for f in record.failures] == [1]
 
 
@@ -285,7 +288,7 @@ def test_identical_pieces_compile_once_and_stay_correct(reuse: bool) -> None:
         _check_eager_equal(model, [torch.randn(4, 32)], backend, atol=1e-5)
     record = backend.records[-1]
     assert len(record.plan.buckets) == 6 and len(backend.records) == 1
-    shared = [c for c in record.compiled_by if "same as piece" in c]
+    shared = [r for r in record.pieces if r.outcome is Outcome.SHARED]
     if reuse:
         assert counting.count < 6 and len(shared) == 6 - counting.count
     else:
@@ -315,8 +318,8 @@ def test_pieces_alike_but_in_other_grad_mode_are_not_shared() -> None:
     _check_eager_equal(FrozenTrunk(), [torch.randn(2, 8)], backend)
     record = backend.records[-1]
     assert len(record.plan.buckets) == 4, record.plan.table()
-    assert "same as" not in record.compiled_by[-1], record.compiled_by
-    assert any("same as" in c for c in record.compiled_by[:-1]), record.compiled_by
+    assert record.pieces[-1].outcome is not Outcome.SHARED, record.compiled_by
+    assert any(r.outcome is Outcome.SHARED for r in record.pieces[:-1]), record.compiled_by
 
 
 def test_reuse_defaults_on_for_backend_names_only() -> None:

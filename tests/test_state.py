@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from ddp_split_backend import DDPSplitBackend, SplitConfig
-from ddp_split_backend.runtime import GlobalState
+from ddp_split_backend import DDPSplitBackend, Outcome, SplitConfig
+from ddp_split_backend.guards import GlobalState
 from ddp_split_backend.state import StateKind, classify
 
 from .helpers import compare_with_eager_ddp, grads
@@ -118,7 +118,7 @@ def test_classify_treats_unknown_state_calls_as_opaque() -> None:
 
 def test_unknown_state_region_blocks_cuts(counting) -> None:
     """A cut never falls between an unknown state call's enter and exit."""
-    from ddp_split_backend.plan import layout_graph
+    from ddp_split_backend.layout import layout_graph
     from ddp_split_backend.state import Ambient
 
     def _enter_custom_mode():
@@ -173,7 +173,7 @@ def test_regression_dual_tensor_through_call_method_is_not_cut() -> None:
         actual = torch.compile(model, backend=backend)(x)
     torch.testing.assert_close(actual, expected)
     assert not backend.records[-1].failures
-    from ddp_split_backend.runtime import dual_level_open
+    from ddp_split_backend.guards import dual_level_open
 
     assert not dual_level_open()
 
@@ -213,7 +213,7 @@ def test_regression_piece_starting_in_inference_mode_falls_back_when_aot_cannot_
         torch.testing.assert_close(got, ref)
     record = backend.records[-1]
     assert len(record.plan.buckets) == 2
-    assert record.compiled_by == ("aot_eager", "eager (fallback)")
+    assert [r.outcome for r in record.pieces] == [Outcome.COMPILED, Outcome.EAGER_FALLBACK]
 
 
 class EnableGradInsideNoGrad(nn.Module):
@@ -249,4 +249,4 @@ def test_regression_enable_grad_under_ambient_no_grad_keeps_the_autograd_chain(r
     for got, ref in zip(grads(model), want, strict=True):
         torch.testing.assert_close(got, ref)
     assert len(backend.records[-1].plan.buckets) == 4
-    assert any("same as piece" in c for c in backend.records[-1].compiled_by) == reuse
+    assert any(r.outcome is Outcome.SHARED for r in backend.records[-1].pieces) == reuse
