@@ -53,6 +53,11 @@ def test_cap_below_one_mb_under_default_config_falls_to_ddp_optimizer_assert() -
     """Documented limitation: torch's DDPOptimizer itself asserts on caps < 1 MiB before
     ddp_split is called; own_split() avoids it."""
     backend = DDPSplitBackend(SplitConfig(inner="aot_eager"))
+    with pytest.raises(Exception, match="First bucket should be smaller"):
+        compare_with_eager_ddp(lambda: MLP(width=64, depth=3), [torch.randn(2, 64)],
+                               backend=backend, bucket_cap_mb=0.01)
+    assert not backend.records  # DDPOptimizer failed before ddp_split was called
+    torch._dynamo.reset()
     with ddp_split_backend.own_split():
         compare_with_eager_ddp(lambda: MLP(width=64, depth=3), [torch.randn(2, 64)],
                                backend=backend, bucket_cap_mb=0.01)

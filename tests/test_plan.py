@@ -167,3 +167,36 @@ def test_no_output_boundary_is_moved_and_recorded(counting) -> None:
     for b in plan.buckets:
         for adjustment in b.adjustments:
             assert isinstance(adjustment.reason, AdjustReason)
+
+
+class DualThroughTwoLayers(nn.Module):
+    """A forward-AD dual tensor flows through two layers: no cut may fall between them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+        self.c = nn.Linear(16, 16)
+
+    def forward(self, x):
+        import torch.autograd.forward_ad as fwAD
+
+        with fwAD.dual_level():
+            d = fwAD.make_dual(x, torch.ones_like(x))
+            h = self.b(self.a(d))
+            p, t = fwAD.unpack_dual(h)
+        return self.c(p + t)
+
+
+def test_dual_tensor_cut_is_moved_then_folded_with_both_reasons(counting) -> None:
+    """The cut wanted in front of ``h`` (between the two dual layers) moves to the dual
+    tensor's making (``d``); the piece in front then holds no parameters and is folded."""
+    backend = _compile_plan(DualThroughTwoLayers(), torch.randn(2, 16), counting,
+                            bucket_cap_mb=0.0005, first_bucket_cap_mb=0.0005)
+    plan = backend.records[-1].plan
+    assert len(plan.buckets) == 2
+    moved = [(b.piece, a.reason, a.wanted_before, a.placed_before) for b in plan.buckets for a in b.adjustments]
+    assert moved == [
+        (0, AdjustReason.DUAL_TENSOR, "h", "d"),
+        (0, AdjustReason.LEADING_NO_PARAMS, "d", None),
+    ]
