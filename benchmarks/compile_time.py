@@ -26,10 +26,8 @@ Example::
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -46,6 +44,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_split_backend
+from _common import environment
 from ddp_split_backend import DDPSplitBackend, SplitConfig
 
 HERE = Path(__file__).resolve().parent
@@ -250,15 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         warnings.filterwarnings("ignore")
         print("RESULT " + json.dumps(_worker(args)), flush=True)
         return 0
-    env = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": platform.machine(),
-        "nproc": os.cpu_count(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "loadavg_start": os.getloadavg(),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-    }
+    env = environment()
     runs: list[dict[str, Any]] = []
     for repeat in range(args.repeats):
         for mode in args.modes:

@@ -5,7 +5,7 @@ A DDP comm hook hands every gradient bucket to ONE link thread, which "sends" bu
 arrival order, each taking ``bytes / bandwidth`` (an ideal single link: a transfer starts when
 its bucket is ready and the previous transfer has ended). The hook returns a Future that the
 link thread completes, so DDP's backward ends only when the last bucket has been sent.
-Sleeping uses no CPU, so compute is undisturbed (see /work/shared/NOTES.md, "Measuring
+Sleeping uses no CPU, so compute is undisturbed (see the project notes, "Measuring
 overlap without a network").
 
 Modes (all in one process, stepped round-robin after warm-up):
@@ -31,12 +31,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import os
-import platform
 import queue
-import socket
 import statistics
 import sys
 import threading
@@ -54,6 +51,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_split_backend
+from _common import environment as common_environment
+from _common import free_port, own_code
 from ddp_split_backend import DDPSplitBackend, SplitConfig
 
 HERE = Path(__file__).resolve().parent
@@ -78,44 +77,10 @@ def _mlp_forward(self: _MLPBase, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-class MLPCompute(_MLPBase):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _mlp_forward(self, x)
-
-
-class MLPComputeCompiled(_MLPBase):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _mlp_forward(self, x)
-
-
-class MLPEagerDDP(_MLPBase):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _mlp_forward(self, x)
-
-
-class MLPNoSplit(_MLPBase):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _mlp_forward(self, x)
-
-
-class MLPDDPOptimizer(_MLPBase):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _mlp_forward(self, x)
-
-
-class MLPDDPSplit(_MLPBase):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _mlp_forward(self, x)
-
-
 MODEL_CLASS = {
-    "compute": MLPCompute,
-    "compute_compiled": MLPComputeCompiled,
-    "eager_ddp": MLPEagerDDP,
-    "no_split": MLPNoSplit,
-    "ddp_optimizer": MLPDDPOptimizer,
-    "ddp_split": MLPDDPSplit,
+    mode: type(f"MLP_{mode}", (_MLPBase,), {"forward": own_code(_mlp_forward, mode)}) for mode in MODES
 }
+"""One class per mode, each with its own ``forward`` code object (see ``_common.own_code``)."""
 assert len({cls.forward.__code__ for cls in MODEL_CLASS.values()}) == len(MODEL_CLASS)
 
 
@@ -462,23 +427,8 @@ def plot_timeline(samples: dict[str, dict[str, Any]], title: str, path: Path) ->
 # --------------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def environment() -> dict[str, Any]:
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": platform.machine(),
-        "nproc": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "loadavg_start": os.getloadavg(),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-    }
+    return common_environment(torch_threads=torch.get_num_threads())
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -13,9 +13,9 @@ For each graph, ddp_split plans the cuts (``bucket_cap_mb``, default 4: a piece 
 nodes) and splits; ``split_module`` (what torch's DDPOptimizer uses) splits the same graph
 with the same partition. Reported: microseconds per graph node, best of ``--repeats``.
 
-ddp_split is timed the way ``DDPSplitBackend.__call__`` runs it: ``plan_split`` (state
-simulation + legal cut positions, parameter table, bucket plan), a second ``layout_graph``
-(the backend recomputes it), then ``split_graph``.
+ddp_split is timed the way ``DDPSplitBackend.__call__`` runs it: one ``layout_graph`` (state
+simulation + legal cut positions), the parameter table and bucket plan on that layout, then
+``split_graph`` (column "ddp_split"; "shared lay" is the sum of the three parts timed apart).
 
 Example::
 
@@ -27,11 +27,9 @@ Example::
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import os
-import platform
 import sys
 import time
 from collections.abc import Callable
@@ -43,9 +41,11 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.fx.passes.split_module import split_module
 
+from _common import environment
 from ddp_split_backend import SplitConfig, plan_split
-from ddp_split_backend.params import find_params
+from ddp_split_backend.backend import _plan_with_layout
 from ddp_split_backend.layout import layout_graph
+from ddp_split_backend.params import find_params
 from ddp_split_backend.plan import plan_buckets
 from ddp_split_backend.split import split_graph
 from ddp_split_backend.state import Ambient
@@ -153,8 +153,7 @@ def measure(nodes: int, args: argparse.Namespace) -> dict[str, Any]:
     )
 
     def ddp_split_backend_path() -> Any:
-        p = plan_split(gm, example_inputs, config=config)
-        lay = layout_graph(gm, Ambient.capture())
+        p, lay = _plan_with_layout(gm, example_inputs, config, None, "")  # the backend's own path
         return split_graph(gm, lay, p.cuts)
 
     def layout_only() -> Any:
@@ -222,15 +221,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
-    env = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": platform.machine(),
-        "nproc": os.cpu_count(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "loadavg_start": os.getloadavg(),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-    }
+    env = environment()
     header = (f"{'nodes':>7}{'pieces':>8}{'cuts in rgn':>12}{'ddp_split':>11}{'shared lay':>11}"
               f"{'layout':>8}{'plan':>7}{'split':>7}{'split_module':>14}{'ratio':>7}")
     print(f"µs per node (ratio = split_module / ddp_split), best of {args.repeats}; cap {args.bucket_cap_mb:g} MB, "

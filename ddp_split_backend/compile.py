@@ -212,14 +212,27 @@ def compile_whole(gm: fx.GraphModule, example_inputs: Sequence[Any], inner: Inne
     return CompiledPieces((unit.fn,), (unit.record,))
 
 
-def _has_backward(piece: Piece, args: Sequence[Any], outputs: Sequence[Any]) -> bool:
-    """Whether a backward will ever be compiled for ``piece``: AOTAutograd records autograd
-    only when called with grad mode on and some input requires grad, and backward reaches the
-    piece only through an output that requires grad."""
-    def any_grad(values: Sequence[Any]) -> bool:
-        return any(isinstance(v, torch.Tensor) and v.requires_grad for v in values)
+def _requires_grad(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.requires_grad
 
-    return piece.grad and any_grad(args) and any_grad(outputs)
+
+def _pieces_with_backward(split: SplitGraph, flows: dict[int, tuple[int, ...]], aot: set[int]) -> list[int]:
+    """AOT-compiled pieces whose backward will run, in forward order.
+
+    ``flows``: piece -> slots of its inputs that require grad, for every piece that records
+    autograd (called with grad mode on, some output requiring grad), however it is compiled
+    (an eagerly run piece passes gradients on too). ``aot``: pieces compiled by AOTAutograd.
+    Backward reaches a piece only if one of its outputs is a graph output or feeds a later
+    piece that backward reaches."""
+    needed = {s for s in split.output_leaves if s is not None}
+    running: list[int] = []
+    for piece in reversed(split.pieces):
+        grad_inputs = flows.get(piece.index)
+        if grad_inputs and any(s in needed for s in piece.outputs):
+            needed.update(grad_inputs)
+            if piece.index in aot:
+                running.append(piece.index)
+    return running[::-1]
 
 
 def compile_pieces(
@@ -255,7 +268,8 @@ def compile_pieces(
     callables: list[Callable[..., Any]] = []
     records: list[PieceRecord] = []
     reusable: dict[tuple, _Reusable] = {}
-    backward_last_use: dict[int, tuple[int, Any]] = {}  # id(fn) -> (last piece using it, fw_metadata)
+    metadata: dict[int, Any] = {}  # id(fn) -> AOT forward metadata of its compile
+    flows: dict[int, tuple[int, ...]] = {}
     count = len(split.pieces)
     for piece in split.pieces:
         args = [values[s] for s in piece.inputs]
@@ -265,8 +279,6 @@ def compile_pieces(
             outputs = fresh_outputs(hit.outputs, fake_mode)
             callables.append(hit.fn)
             records.append(PieceRecord(piece.index, Outcome.SHARED, inner.name, shared_with=hit.piece))
-            if id(hit.fn) in backward_last_use:
-                backward_last_use[id(hit.fn)] = (piece.index, backward_last_use[id(hit.fn)][1])
         else:
             _set_example_values(piece.gm, args)
             with _fakify_first_call(context), torch.set_grad_enabled(piece.grad):
@@ -276,13 +288,21 @@ def compile_pieces(
             outputs = unit.outputs
             callables.append(unit.fn)
             records.append(unit.record)
-            if unit.metadata is not None and _has_backward(piece, args, outputs):
-                backward_last_use[id(unit.fn)] = (piece.index, unit.metadata)
+            if unit.metadata is not None:
+                metadata[id(unit.fn)] = unit.metadata
             if key is not None and unit.record.outcome is Outcome.COMPILED and reusable_outputs(outputs):
                 reusable[key] = _Reusable(piece.index, unit.fn, tuple(outputs))
+        if piece.grad and any(map(_requires_grad, outputs)):
+            flows[piece.index] = tuple(s for s, a in zip(piece.inputs, args) if _requires_grad(a))
         for s, value in zip(piece.outputs, outputs):
             values[s] = value
-    pending = sorted(backward_last_use.values(), key=lambda t: t[0])
+    # A function's backward is compiled on its first backward call: at the last piece (in
+    # forward order) that uses it and whose backward runs.
+    last_use: dict[int, int] = {}
+    aot = {p.index for p, fn in zip(split.pieces, callables) if id(fn) in metadata}
+    for index in _pieces_with_backward(split, flows, aot):
+        last_use[id(callables[index])] = index
+    pending = sorted((index, metadata[fn]) for fn, index in last_use.items())
     if context is not None:
         # AOTAutograd compiles backward lazily, latest piece first, popping this stack; a
         # shared function's backward is compiled at its last use (Note [DDPOptimizer and

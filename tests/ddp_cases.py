@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ddp_split_backend
 from ddp_split_backend import DDPSplitBackend, SplitConfig
 
+from .helpers import piece_bucket_agreement
 from .models import MLP
 
 _EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_gpt.py"
@@ -55,19 +56,6 @@ class Skipper(nn.Module):
         if not skip:
             x = torch.relu(self.b(x))
         return self.c(x)
-
-
-def reducer_bucket_names(ddp: DDP) -> list[frozenset[str]]:
-    """Parameter names of each bucket DDP's reducer uses now (after its rebuild)."""
-    names = {id(p): n.replace("_orig_mod.", "") for n, p in ddp.module.named_parameters()}
-    return [frozenset(names[id(p)] for p in b.parameters()) for b in ddp.reducer._get_zeros_like_grad_buckets()]
-
-
-def boundary_agreement(ddp: DDP, backend: DDPSplitBackend) -> tuple[int, int]:
-    """(pieces whose parameter set equals one reducer bucket, pieces)."""
-    buckets = set(reducer_bucket_names(ddp))
-    pieces = [frozenset(b.params) for b in backend.records[-1].plan.buckets]
-    return sum(p in buckets for p in pieces), len(pieces)
 
 
 def _train(
@@ -156,13 +144,14 @@ def run_case(rank: int, case: str) -> dict[str, Any]:
     diff = max(
         (a - b).abs().max().item() for a, b in zip(eager_ddp.parameters(), split_ddp.parameters(), strict=True)
     )
-    matched, pieces = boundary_agreement(split_ddp, backend)
+    matched, pieces, spans = piece_bucket_agreement(split_ddp, [r.plan for r in backend.records])
     return {
         "diff": diff,
         "graphs": len(backend.records),
         "pieces": [len(r.plan.buckets) for r in backend.records],
         "matched": matched,
         "plan_pieces": pieces,
+        "spans": spans,
         "params": [p.detach().clone() for p in split_ddp.parameters()],
     }
 

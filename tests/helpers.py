@@ -21,6 +21,38 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+TINY = {"bucket_cap_mb": 0.0001, "first_bucket_cap_mb": 0.0001}
+"""Bucket caps of ~100 bytes: a bucket (and a piece) per layer."""
+
+
+def take_grads(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The reference gradients of an eager run: cloned, then cleared on ``module``."""
+    taken = [g.clone() for g in grads(module)]
+    module.zero_grad(set_to_none=True)
+    return taken
+
+
+def assert_grads_equal(module: torch.nn.Module, expected: Sequence[torch.Tensor], **tol: Any) -> None:
+    for i, (actual, want) in enumerate(zip(grads(module), expected, strict=True)):
+        torch.testing.assert_close(actual, want, **tol, msg=lambda m, i=i: f"gradient {i}: {m}")
+
+
+def reducer_bucket_names(ddp: DDP) -> list[frozenset[str]]:
+    """Parameter names of each bucket DDP's reducer uses now (after its rebuild)."""
+    names = {id(p): n.replace("_orig_mod.", "") for n, p in ddp.module.named_parameters()}
+    return [frozenset(names[id(p)] for p in b.parameters()) for b in ddp.reducer._get_zeros_like_grad_buckets()]
+
+
+def piece_bucket_agreement(ddp: DDP, plans: Sequence[Any]) -> tuple[int, int, list[int]]:
+    """(pieces whose parameters are exactly one reducer bucket, pieces holding parameters,
+    per reducer bucket: how many pieces its parameters come from)."""
+    buckets = reducer_bucket_names(ddp)
+    pieces = [frozenset(b.params) for plan in plans for b in plan.buckets if b.params]
+    piece_of = {name: i for i, piece in enumerate(pieces) for name in piece}
+    spans = [len({piece_of[n] for n in bucket if n in piece_of}) for bucket in buckets]
+    return sum(p in set(buckets) for p in pieces), len(pieces), spans
+
+
 def grads(module: torch.nn.Module) -> list[torch.Tensor]:
     """Gradients in parameter order; a missing gradient counts as zeros (compiled DDP fills them)."""
     return [p.grad if p.grad is not None else torch.zeros_like(p) for p in module.parameters()]

@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from .helpers import piece_bucket_agreement
 from .torchvision_cpu import define_torchvision_operators
 
 define_torchvision_operators()  # before transformers, timm or torchvision is imported
@@ -167,12 +168,6 @@ def _train(model: nn.Module, loss_fn: Callable, batches: list[dict], amp: bool, 
     return {"losses": losses, "grads": grads, "params": [p.detach().clone() for p in model.parameters()]}
 
 
-def reducer_buckets(ddp: DDP) -> list[frozenset[str]]:
-    """Parameter names of each bucket DDP's reducer uses now (after its rebuild)."""
-    names = {id(p): n.replace("_orig_mod.", "") for n, p in ddp.module.named_parameters()}
-    return [frozenset(names[id(p)] for p in b.parameters()) for b in ddp.reducer._get_zeros_like_grad_buckets()]
-
-
 def run_real_case(rank: int, case: RealCase) -> dict[str, Any]:
     import ddp_split_backend
     from ddp_split_backend import ddp_split
@@ -205,9 +200,7 @@ def run_real_case(rank: int, case: RealCase) -> dict[str, Any]:
     with ddp_split_backend.own_split():
         actual = _train(model, spec.loss, batches, case.amp, spec.lr)
     seconds = time.perf_counter() - start
-    buckets = reducer_buckets(ddp)
-    pieces = [frozenset(b.params) for r in ddp_split.records for b in r.plan.buckets if b.params]
-    piece_of = {name: i for i, piece in enumerate(pieces) for name in piece}
+    matched, param_pieces, spans = piece_bucket_agreement(ddp, [r.plan for r in ddp_split.records])
     return {
         "names": [n for n, _ in base.named_parameters()],
         "expected": expected,
@@ -219,10 +212,10 @@ def run_real_case(rank: int, case: RealCase) -> dict[str, Any]:
         "sources": [r.plan.source for r in ddp_split.records],
         "outcomes": [p.outcome for r in ddp_split.records for p in r.pieces],
         "compiled_by": [c for r in ddp_split.records for c in r.compiled_by],
-        "matched": sum(p in set(buckets) for p in pieces),
-        "param_pieces": len(pieces),
-        "buckets": len(buckets),
-        "spans": [len({piece_of[n] for n in bucket if n in piece_of}) for bucket in buckets],
+        "matched": matched,
+        "param_pieces": param_pieces,
+        "buckets": len(spans),
+        "spans": spans,
         "seconds": seconds,
     }
 

@@ -107,19 +107,21 @@ def test_graph_names_count_past_the_records_kept() -> None:
 
 
 class GradModes(nn.Module):
-    """Pieces run grad, no_grad, inference, grad, grad: only grad pieces have a backward."""
+    """Pieces run grad, no_grad, inference (ending with ``clone() + h`` outside the region),
+    grad, grad. The first piece's output also feeds the third's add, so backward reaches
+    pieces 4, 3, 2 and 0, and never the no_grad piece."""
 
     def __init__(self, width: int = 64) -> None:
         super().__init__()
         self.layers = nn.ModuleList([nn.Linear(width, width) for _ in range(5)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = torch.relu(self.layers[0](x))
+        x = h = torch.relu(self.layers[0](x))
         with torch.no_grad():
             x = torch.relu(self.layers[1](x))
         with torch.inference_mode():
             x = torch.relu(self.layers[2](x))
-        x = x.clone()
+        x = x.clone() + h
         x = torch.relu(self.layers[3](x))
         return torch.relu(self.layers[4](x))
 
@@ -140,11 +142,11 @@ def test_backward_metadata_only_for_pieces_with_a_backward(inner: str, reuse: bo
     actual.sum().backward()
     (record,) = backend.records
     assert len(record.plan.buckets) == 5, record.plan.table()
-    grad_pieces = (0, 3, 4)
+    grad_pieces = (0, 2, 3, 4)
     if reuse and any(r.outcome is Outcome.SHARED for r in record.pieces):
         shared = {r.piece: r.shared_with for r in record.pieces if r.outcome is Outcome.SHARED}
         assert shared == {4: 3}, shared  # the last two blocks are alike; pushed once, at the last use
-        grad_pieces = (0, 4)
+        grad_pieces = (0, 2, 4)
     assert record.backward_order == grad_pieces
     tol = {} if inner == "aot_eager" else {"rtol": 1e-4, "atol": 1e-4}
     torch.testing.assert_close(actual, expected, **tol)
@@ -153,3 +155,40 @@ def test_backward_metadata_only_for_pieces_with_a_backward(inner: str, reuse: bo
             assert p.grad is None
         else:
             torch.testing.assert_close(p.grad, e, **tol)
+
+
+class MetadataWitness:
+    """An AOTAutograd inner backend whose forward compiler notes each piece's forward
+    metadata and whose (lazy) backward compiler notes the metadata it is handed."""
+
+    def __init__(self) -> None:
+        self.forward: list[object] = []
+        self.backward: list[object] = []
+        self.__name__ = "metadata_witness"
+
+    def __call__(self, gm, example_inputs):
+        from torch._dynamo.backends.common import aot_autograd
+
+        def fw_compiler(graph, inputs):
+            self.forward.append(_torch.aot_fw_metadata(_torch.TracingContext.try_get()))
+            return graph.forward
+
+        def bw_compiler(graph, inputs):
+            self.backward.append(_torch.aot_fw_metadata(_torch.TracingContext.try_get()))
+            return graph.forward
+
+        return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler)(gm, example_inputs)
+
+
+def test_each_backward_compile_sees_its_own_pieces_metadata() -> None:
+    """Backward reaches pieces 4, 3, 2 and 0 (not the no_grad piece 1), and each backward
+    compile must be handed the forward metadata of that very piece."""
+    witness = MetadataWitness()
+    backend = DDPSplitBackend(SplitConfig(inner=witness, bucket_cap_mb=0.015))
+    model = GradModes()
+    torch.compile(model, backend=backend)(torch.randn(4, 64)).sum().backward()
+    assert len(witness.forward) == 5
+    by_piece = dict(enumerate(witness.forward))
+    names = {id(m): i for i, m in by_piece.items()}
+    assert [names.get(id(m), "other") for m in witness.backward] == [4, 3, 2, 0]
+    assert backend.records[-1].backward_order == (0, 2, 3, 4)

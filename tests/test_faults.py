@@ -16,11 +16,9 @@ from ddp_split_backend import DDPSplitBackend, SplitConfig
 from ddp_split_backend import Outcome
 from ddp_split_backend.guards import AutogradCheckpoint, GlobalState, attempt
 
-from .helpers import CountingCompiler
-from .helpers import grads, leak_nested_inference_guards_and_raise
+from .helpers import TINY, CountingCompiler, assert_grads_equal, grads, leak_nested_inference_guards_and_raise, take_grads
 from .models import MLP, StateRegions
 
-TINY = {"bucket_cap_mb": 0.0001, "first_bucket_cap_mb": 0.0001}  # ~100 bytes: a bucket per layer
 
 
 def _assert_process_usable() -> None:
@@ -82,8 +80,7 @@ def test_inner_failure_falls_back_per_piece(model_name: str, where: str) -> None
     model = make_model()
     expected = model(x)
     expected.sum().backward()
-    expected_grads = [g.clone() for g in grads(model)]
-    model.zero_grad(set_to_none=True)
+    expected_grads = take_grads(model)
 
     failing = CountingCompiler(fail_on=fail_on)
     backend = DDPSplitBackend(SplitConfig(inner=failing, **TINY))
@@ -106,8 +103,7 @@ def test_inner_failure_falls_back_per_piece(model_name: str, where: str) -> None
     torch.testing.assert_close(actual, expected)
     assert actual.dtype == expected.dtype and actual.requires_grad == expected.requires_grad
     actual.sum().backward()
-    for a, e in zip(grads(model), expected_grads, strict=True):
-        torch.testing.assert_close(a, e)
+    assert_grads_equal(model, expected_grads)
 
     compiles = failing.count
     for _ in range(2):  # a second and a third call: no recompile, no new warning
@@ -266,8 +262,7 @@ def test_inference_mode_compile_failure_falls_back_and_process_stays_usable(
     x = torch.randn(4, 8)
     expected = model(x)
     expected.sum().backward()
-    expected_grads = [g.clone() for g in grads(model)]
-    model.zero_grad(set_to_none=True)
+    expected_grads = take_grads(model)
 
     compiled = torch.compile(model, backend=backend)
     before = GlobalState.capture()
@@ -288,8 +283,7 @@ def test_inference_mode_compile_failure_falls_back_and_process_stays_usable(
         assert len(still_compiled) >= 2  # the other pieces stay compiled
     torch.testing.assert_close(actual, expected)
     actual.sum().backward()
-    for a, e in zip(grads(model), expected_grads, strict=True):
-        torch.testing.assert_close(a, e)
+    assert_grads_equal(model, expected_grads)
 
     compiles = counting.count
     for _ in range(2):

@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from ddp_split_backend import DDPSplitBackend, Outcome, SplitConfig
 
-from .helpers import grads
+from .helpers import assert_grads_equal, grads, take_grads
 from .models import StateRegions
 
 
@@ -33,14 +33,12 @@ def _check(model: nn.Module, x: torch.Tensor, tol: float) -> DDPSplitBackend:
     compiled = torch.compile(model, backend=backend)
     expected = model(x)
     expected.float().sum().backward()
-    want = [g.clone() for g in grads(model)]
-    model.zero_grad(set_to_none=True)
+    want = take_grads(model)
     actual = compiled(x)
     assert actual.dtype == expected.dtype
     torch.testing.assert_close(actual, expected, atol=tol, rtol=tol)
     actual.float().sum().backward()
-    for a, e in zip(grads(model), want, strict=True):
-        torch.testing.assert_close(a, e, atol=tol, rtol=tol)
+    assert_grads_equal(model, want, atol=tol, rtol=tol)
     assert not backend.records[-1].failures, backend.records[-1].failures
     return backend
 

@@ -10,11 +10,9 @@ import torch.utils.checkpoint as checkpoint
 
 from ddp_split_backend import DDPSplitBackend, Outcome, SplitConfig
 
-from .helpers import CountingCompiler
-from .helpers import compare_with_eager_ddp, grads
+from .helpers import TINY, CountingCompiler, assert_grads_equal, compare_with_eager_ddp, grads, take_grads
 from .models import MLP, WithBatchNorm
 
-TINY = {"bucket_cap_mb": 0.0001, "first_bucket_cap_mb": 0.0001}  # ~100 bytes: a bucket per layer
 
 
 def _backend(counting: CountingCompiler, **extra) -> DDPSplitBackend:
@@ -27,15 +25,13 @@ def _check_eager_equal(model: nn.Module, inputs, backend, *, backward=True, atol
     expected = model(*inputs)
     if backward:
         expected.sum().backward()
-    expected_grads = [g.clone() for g in grads(model)]
-    model.zero_grad(set_to_none=True)
+    expected_grads = take_grads(model)
     actual = compiled(*inputs)
     tol = {} if atol is None else {"atol": atol, "rtol": atol}
     torch.testing.assert_close(actual, expected, **tol)
     if backward:
         actual.sum().backward()
-        for a, e in zip(grads(model), expected_grads, strict=True):
-            torch.testing.assert_close(a, e, **tol)
+        assert_grads_equal(model, expected_grads, **tol)
     return actual
 
 

@@ -12,7 +12,7 @@ from ddp_split_backend import DDPSplitBackend, Outcome, SplitConfig
 from ddp_split_backend.guards import GlobalState
 from ddp_split_backend.state import StateKind, classify
 
-from .helpers import compare_with_eager_ddp, grads
+from .helpers import assert_grads_equal, compare_with_eager_ddp, grads, take_grads
 from .models import StateRegions
 
 STATE_TARGET_NAMES = {
@@ -206,14 +206,12 @@ def test_regression_piece_starting_in_inference_mode_falls_back_when_aot_cannot_
     backend = DDPSplitBackend(SplitConfig(inner="aot_eager", bucket_cap_mb=0.0003, first_bucket_cap_mb=0.0003))
     expected = model(x)
     expected.sum().backward()
-    want = [g.clone() for g in grads(model)]
-    model.zero_grad(set_to_none=True)
+    want = take_grads(model)
     with pytest.warns(UserWarning, match="Inference tensors cannot be saved"):
         actual = torch.compile(model, backend=backend)(x)
     torch.testing.assert_close(actual, expected)
     actual.sum().backward()
-    for got, ref in zip(grads(model), want, strict=True):
-        torch.testing.assert_close(got, ref)
+    assert_grads_equal(model, want)
     record = backend.records[-1]
     assert len(record.plan.buckets) == 2
     assert [r.outcome for r in record.pieces] == [Outcome.COMPILED, Outcome.EAGER_FALLBACK]
@@ -245,11 +243,9 @@ def test_regression_enable_grad_under_ambient_no_grad_keeps_the_autograd_chain(r
         actual = torch.compile(model, backend=backend)(x)
         assert not torch.is_grad_enabled()
     expected.sum().backward()
-    want = [g.clone() for g in grads(model)]
-    model.zero_grad(set_to_none=True)
+    want = take_grads(model)
     actual.sum().backward()
     torch.testing.assert_close(actual, expected)
-    for got, ref in zip(grads(model), want, strict=True):
-        torch.testing.assert_close(got, ref)
+    assert_grads_equal(model, want)
     assert len(backend.records[-1].plan.buckets) == 4
     assert any(r.outcome is Outcome.SHARED for r in backend.records[-1].pieces) == reuse
