@@ -35,12 +35,11 @@ import json
 import os
 import queue
 import statistics
-import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 

@@ -23,7 +23,7 @@ import torch.fx as fx
 from . import _torch
 from .guards import Attempt, attempt, call_inner, preserve_global_state, track_state_calls
 from .reuse import fresh_outputs, reusable_outputs, structure_key
-from .split import Piece, SplitGraph
+from .split import SplitGraph
 
 __all__ = ["CompiledPieces", "Outcome", "PieceRecord", "compile_pieces", "compile_whole", "copy_module"]
 

@@ -17,8 +17,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-import torch
-
 
 from . import _torch
 

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.fx as fx
 
 from ddp_split_backend.guards import GlobalState
 

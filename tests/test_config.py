@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_split_backend import DDPSplitBackend, SplitConfig, SplitConfigError, ddp_split

@@ -8,7 +8,6 @@ import torch
 import ddp_split_backend
 from ddp_split_backend import DDPSplitBackend, SplitConfig
 
-from .helpers import CountingCompiler
 from .helpers import compare_with_eager_ddp
 from .models import MLP
 

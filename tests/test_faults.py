@@ -16,7 +16,7 @@ from ddp_split_backend import DDPSplitBackend, SplitConfig
 from ddp_split_backend import Outcome
 from ddp_split_backend.guards import AutogradCheckpoint, GlobalState, attempt
 
-from .helpers import TINY, CountingCompiler, assert_grads_equal, grads, leak_nested_inference_guards_and_raise, take_grads
+from .helpers import TINY, CountingCompiler, assert_grads_equal, leak_nested_inference_guards_and_raise, take_grads
 from .models import MLP, StateRegions
 
 

@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from ddp_split_backend import DDPSplitBackend, Outcome, SplitConfig
 
-from .helpers import assert_grads_equal, grads, take_grads
+from .helpers import assert_grads_equal, take_grads
 from .models import StateRegions
 
 

@@ -10,7 +10,7 @@ import torch.utils.checkpoint as checkpoint
 
 from ddp_split_backend import DDPSplitBackend, Outcome, SplitConfig
 
-from .helpers import TINY, CountingCompiler, assert_grads_equal, compare_with_eager_ddp, grads, take_grads
+from .helpers import TINY, CountingCompiler, assert_grads_equal, take_grads
 from .models import MLP, WithBatchNorm
 
 

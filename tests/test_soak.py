@@ -6,7 +6,6 @@ Run with ``make test-slow`` (``pytest -m slow``). Asserts bounded memory (RSS gr
 
 from __future__ import annotations
 
-import copy
 import resource
 
 import pytest

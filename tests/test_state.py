@@ -12,7 +12,7 @@ from ddp_split_backend import DDPSplitBackend, Outcome, SplitConfig
 from ddp_split_backend.guards import GlobalState
 from ddp_split_backend.state import StateKind, classify
 
-from .helpers import assert_grads_equal, compare_with_eager_ddp, grads, take_grads
+from .helpers import assert_grads_equal, compare_with_eager_ddp, take_grads
 from .models import StateRegions
 
 STATE_TARGET_NAMES = {
