@@ -71,18 +71,19 @@ exit_dual_level = _resolve("torch._functorch.predispatch._exit_dual_level", "dua
 make_dual = _resolve("torch._make_dual", "makes a forward-AD dual tensor (never cut across)")
 unpack_dual = _resolve("torch._unpack_dual", "unpacks a dual tensor")
 predispatch = _resolve("torch._functorch.predispatch", "holds the pre-dispatch dual-tensor ops, where present")
-vmap_nesting = (
-    _resolve("torch._C._functorch._vmap_increment_nesting", "vmap region enter (uncuttable)"),
-    _resolve("torch._C._functorch._vmap_decrement_nesting", "vmap region exit"),
-)
-grad_nesting = (
-    _resolve("torch._C._functorch._grad_increment_nesting", "torch.func.grad region enter (uncuttable)"),
-    _resolve("torch._C._functorch._grad_decrement_nesting", "torch.func.grad region exit"),
-)
-jvp_nesting = (
-    _resolve("torch._C._functorch._jvp_increment_nesting", "torch.func.jvp region enter (uncuttable)"),
-    _resolve("torch._C._functorch._jvp_decrement_nesting", "torch.func.jvp region exit"),
-)
+
+
+def _nesting(transform: str, what: str) -> tuple[Any, Any]:
+    """The enter/exit pair functorch records around a transform's region (uncuttable)."""
+    return (
+        _resolve(f"torch._C._functorch._{transform}_increment_nesting", f"{what} region enter (uncuttable)"),
+        _resolve(f"torch._C._functorch._{transform}_decrement_nesting", f"{what} region exit"),
+    )
+
+
+vmap_nesting = _nesting("vmap", "vmap")
+grad_nesting = _nesting("grad", "torch.func.grad")
+jvp_nesting = _nesting("jvp", "torch.func.jvp")
 set_inplace_requires_grad_allowed = _resolve(
     "torch._C._functorch.set_inplace_requires_grad_allowed", "functorch setter inside transforms (uncuttable)"
 )

@@ -11,8 +11,8 @@ Example::
 from __future__ import annotations
 
 import collections
-import warnings
 import itertools
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +28,7 @@ from .layout import GraphLayout, layout_graph
 from .params import find_params
 from .plan import BucketPlan, SplitPlan, plan_buckets
 from .runtime import GuardedCallable, StitchedCallable
-from .split import split_graph
+from .split import SplitGraph, split_graph
 from .state import Ambient, classify
 
 __all__ = ["CompileRecord", "DDPSplitBackend", "ddp_split", "plan_split"]
@@ -189,7 +189,9 @@ class DDPSplitBackend:
         split = split_graph(gm, layout, plan.cuts)
         return self._finish(plan, split, gm, compile_pieces(split, example_inputs, inner, reuse=config.reuse))
 
-    def _finish(self, plan: SplitPlan, split: Any, gm: fx.GraphModule, compiled: CompiledPieces) -> Callable[..., Any]:
+    def _finish(
+        self, plan: SplitPlan, split: SplitGraph | None, gm: fx.GraphModule, compiled: CompiledPieces
+    ) -> Callable[..., Any]:
         """Record and log what was done; wrap the callables for run time."""
         record = CompileRecord(plan, compiled.records, compiled.backward_order)
         self.records.append(record)

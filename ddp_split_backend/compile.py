@@ -159,7 +159,7 @@ def _fallback(gm: fx.GraphModule, index: int, count: int, inner: InnerCompile, e
         raise error
     warnings.warn(
         f"ddp_split: inner backend {inner.name!r} failed on {where}; running it eagerly. "
-        f"Error: {str(f'{type(error).__name__}: {error}')[:2000]}",
+        f"Error: {f'{type(error).__name__}: {error}'[:2000]}",
         stacklevel=5,
     )
     return track_state_calls(gm)
@@ -182,7 +182,7 @@ def _compile_unit(
     result: Attempt = call_inner(inner.fn, gm, list(args))
     used_aot = result.ok and context is not None and _torch.aot_fw_metadata(context) is not metadata_before
     outputs = None
-    if result.ok and used_aot and fake_mode is not None:
+    if used_aot and fake_mode is not None:
         # The compiled piece's first call on fake inputs gives its real output metadata.
         # It can still fail where compiling did not (AOTAutograd saving an inference
         # tensor for backward in a piece that starts inside inference_mode, say).
@@ -298,15 +298,15 @@ def compile_pieces(
             values[s] = value
     # A function's backward is compiled on its first backward call: at the last piece (in
     # forward order) that uses it and whose backward runs.
-    last_use: dict[int, int] = {}
+    last_use: dict[int, int] = {}  # id(fn) -> piece
     aot = {p.index for p, fn in zip(split.pieces, callables) if id(fn) in metadata}
     for index in _pieces_with_backward(split, flows, aot):
         last_use[id(callables[index])] = index
-    pending = sorted((index, metadata[fn]) for fn, index in last_use.items())
+    order = sorted(last_use.values())
     if context is not None:
         # AOTAutograd compiles backward lazily, latest piece first, popping this stack; a
         # shared function's backward is compiled at its last use (Note [DDPOptimizer and
         # fw_metadata] in torch's runtime_wrappers.py explains the stack). Only pieces that
         # will have a backward are pushed, so each backward compile pops its own metadata.
-        _torch.push_backward_metadata(context, [m for _, m in pending])
-    return CompiledPieces(tuple(callables), tuple(records), tuple(i for i, _ in pending))
+        _torch.push_backward_metadata(context, [metadata[id(callables[i])] for i in order])
+    return CompiledPieces(tuple(callables), tuple(records), tuple(order))
