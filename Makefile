@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[test,plot,models]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,plot,models,launchers]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -11,6 +11,7 @@ Example::
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -21,9 +22,10 @@ import torch
 import torch.fx as fx
 
 from . import _torch
-from .compile import CompiledPieces, InnerCompile, Outcome, PieceRecord, compile_pieces, compile_whole
-from .config import BACKEND_NAME, SplitConfig, SplitConfigError
+from .compile import CompiledPieces, Outcome, PieceRecord, compile_pieces, compile_whole
+from .config import BACKEND_NAME, SplitConfig
 from .diagnostics import log_compiled
+from .inner import inner_compile
 from .layout import GraphLayout, layout_graph
 from .params import find_params
 from .plan import BucketPlan, SplitPlan, plan_buckets
@@ -114,14 +116,6 @@ def _plan_with_layout(
     return plan, layout
 
 
-def _inner_compile(config: SplitConfig) -> InnerCompile:
-    inner = config.inner
-    raise_on_failure = config.on_inner_failure == "raise"
-    if isinstance(inner, str):
-        return InnerCompile(_torch.lookup_backend(inner), inner, raise_on_failure)
-    return InnerCompile(inner, getattr(inner, "__name__", type(inner).__name__), raise_on_failure)
-
-
 def _ddp_optimizer_piece_plan(gm: fx.GraphModule, config: SplitConfig, graph_name: str) -> SplitPlan:
     count = sum(1 for n in gm.graph.nodes if n.op not in ("placeholder", "get_attr", "output"))
     bucket = BucketPlan(piece=0, bucket=0, nbytes=0, params=(), start=0, stop=count)
@@ -169,13 +163,10 @@ class DDPSplitBackend:
         options: Mapping[str, Any] | None = None,
         mode: str | None = None,
     ) -> Callable[..., Any]:
-        if mode is not None:
-            raise SplitConfigError(
-                f"ddp_split takes no mode (got mode={mode!r}); compile modes belong to the "
-                "inner backend. Pass options={'inner': ...} instead."
-            )
         config = self.config if options is None else SplitConfig.from_options(options)
-        inner = _inner_compile(config)
+        if mode is not None:  # torch.compile(mode=...): inductor's mode for every piece
+            config = dataclasses.replace(config, mode=mode)
+        inner = inner_compile(config)
         graph_name = _graph_name(next(self._graph_count))
 
         if _torch.is_ddp_optimizer_piece(gm):

@@ -9,9 +9,11 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
+import typing
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -72,6 +74,13 @@ class SplitConfig:
     """Compile pieces with the same ops and input metadata once (repeated transformer blocks).
     ``None``: on for registered backend names, off for callables (which may record or
     specialise per graph)."""
+    mode: str | None = None
+    """Inductor mode for every piece, as ``torch.compile(mode=...)`` takes it (``"default"``,
+    ``"max-autotune-no-cudagraphs"``, ...). ``torch.compile(model, backend="ddp_split",
+    mode=...)`` sets it. Only with ``inner="inductor"``."""
+    inner_options: Mapping[str, Any] | None = field(default=None, hash=False)
+    """Inductor options for every piece (keys of ``torch._inductor.list_options()``), laid
+    over the mode's settings. Only with ``inner="inductor"``."""
     on_inner_failure: str = "eager"
     """When the inner backend fails on a piece: ``"eager"`` runs that piece eagerly (with a
     warning; the other pieces stay compiled), ``"raise"`` lets the inner backend's exception
@@ -87,6 +96,9 @@ class SplitConfig:
                 f"{', '.join(repr(c) for c in INNER_FAILURE_CHOICES)}, got {self.on_inner_failure!r}. "
                 "Use 'eager' to run a failing piece eagerly or 'raise' to see the inner backend's error."
             )
+        _check_inductor_settings(self.inner, self.mode, self.inner_options)
+        if self.inner_options is not None:
+            object.__setattr__(self, "inner_options", dict(self.inner_options))
         if self.reuse_identical_pieces not in (None, True, False):
             raise SplitConfigError(
                 f"ddp_split option 'reuse_identical_pieces' must be True, False or None, got "
@@ -183,3 +195,59 @@ def _check_inner(inner: object) -> None:
             f"ddp_split option 'inner'={inner!r} is not a registered backend; "
             f"valid choices: {', '.join(choices)}, or a callable (gm, example_inputs) -> fn."
         )
+
+
+def inductor_option_names() -> list[str]:
+    """Every inductor option (``torch._inductor.list_options()``): the keys of ``inner_options``."""
+    import torch._inductor  # loads inductor's config (a second or two), only when asked
+
+    return torch._inductor.list_options()
+
+
+def inductor_mode_names() -> list[str]:
+    """The modes ``torch.compile`` configures inductor with."""
+    import torch._inductor
+
+    return list(torch._inductor.list_mode_options())
+
+
+def _check_inductor_settings(inner: object, mode: object, options: object) -> None:
+    for name, value in (("mode", mode), ("inner_options", options)):
+        if value is not None and inner != "inductor":
+            inner_name = inner if isinstance(inner, str) else getattr(inner, "__name__", type(inner).__name__)
+            raise SplitConfigError(
+                f"ddp_split option {name!r}={value!r} configures inductor, but the inner backend is "
+                f"{inner_name!r}; only inductor takes a mode and inner_options. Use inner='inductor' "
+                f"or leave {name} out."
+            )
+    if mode is not None:
+        modes = inductor_mode_names()
+        if mode not in modes:
+            raise SplitConfigError(
+                f"ddp_split option 'mode' must be one of {', '.join(repr(m) for m in modes)}, got {mode!r}."
+            )
+    if options is None:
+        return
+    if not isinstance(options, Mapping):
+        raise SplitConfigError(
+            f"ddp_split option 'inner_options' must be a dict of inductor options, got "
+            f"{type(options).__name__} {options!r}. Use e.g. inner_options={{'max_autotune': True}}."
+        )
+    import torch._inductor.config as inductor_config
+
+    names = inductor_option_names()
+    for key, value in options.items():
+        if key not in names:
+            near = difflib.get_close_matches(str(key), names, n=3, cutoff=0.6)
+            hint = f"did you mean {', '.join(repr(n) for n in near)}?" if near else "no option has a similar name;"
+            raise SplitConfigError(
+                f"ddp_split option 'inner_options' has {key!r}, which is not an inductor option; {hint} "
+                "torch._inductor.list_options() lists them all."
+            )
+        expected = inductor_config.get_type(key)
+        plain = typing.get_origin(expected) is None and isinstance(expected, type)
+        if plain and not isinstance(value, expected):
+            raise SplitConfigError(
+                f"ddp_split option 'inner_options'[{key!r}] must be a {expected.__name__}, got "
+                f"{type(value).__name__} {value!r}."
+            )

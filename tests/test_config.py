@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_split_backend import DDPSplitBackend, SplitConfig, SplitConfigError, ddp_split
+from ddp_split_backend import DDPSplitBackend, SplitConfig, SplitConfigError
 from ddp_split_backend.config import MIB
 
 from .models import MLP
@@ -50,12 +50,6 @@ def test_bad_option_through_torch_compile_reaches_user(options, fragments) -> No
 def test_options_must_be_a_mapping() -> None:
     with pytest.raises(SplitConfigError, match="must be a dict"):
         SplitConfig.from_options(["inner"])  # type: ignore[arg-type]
-
-
-def test_mode_is_rejected_with_a_fix() -> None:
-    gm = torch.fx.symbolic_trace(MLP(width=4, depth=1))
-    with pytest.raises(SplitConfigError, match="mode='max-autotune'"):
-        ddp_split(gm, [torch.randn(1, 4)], mode="max-autotune")
 
 
 def test_defaults_are_ddp_defaults() -> None:
