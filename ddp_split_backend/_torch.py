@@ -10,7 +10,9 @@ version, and ``tests/test_torch_internals.py`` lists them all. Public names (``t
 
 from __future__ import annotations
 
+import functools
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +41,17 @@ PRIVATE_NAMES: list[PrivateName] = []
 
 def _resolve(path: str, purpose: str) -> Any:
     PRIVATE_NAMES.append(PrivateName(path, purpose))
+    return _lookup(path, purpose)
+
+
+def _lazy(path: str, purpose: str) -> Callable[[], Any]:
+    """Like :func:`_resolve` for a name in a module that is slow to import (inductor): it is
+    listed now and imported on first use."""
+    PRIVATE_NAMES.append(PrivateName(path, purpose))
+    return functools.cache(lambda: _lookup(path, purpose))
+
+
+def _lookup(path: str, purpose: str) -> Any:
     parts = path.split(".")
     for cut in range(len(parts), 0, -1):
         try:
@@ -126,6 +139,9 @@ OpOverloadPacket = _resolve("torch._ops.OpOverloadPacket", "op targets in identi
 free_unbacked_symbols = _resolve(
     "torch.fx.experimental.symbolic_shapes.free_unbacked_symbols", "outputs with piece-made symbols are not shared"
 )
+inductor_config = _lazy("torch._inductor.config", "checks inner_options keys and value types")
+inductor_list_options = _lazy("torch._inductor.list_options", "the valid inner_options keys")
+inductor_mode_options = _lazy("torch._inductor.list_mode_options", "what each torch.compile mode sets")
 DDP_OPTIMIZER_MARK = "DDPOptimizer"
 """What DDPOptimizer writes into ``gm.compile_subgraph_reason`` of the pieces it cut."""
 

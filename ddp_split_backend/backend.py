@@ -15,7 +15,7 @@ import dataclasses
 import itertools
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ from .plan import BucketPlan, SplitPlan, plan_buckets
 from .runtime import GuardedCallable, StitchedCallable
 from .split import SplitGraph, split_graph
 from .state import Ambient, classify
+from .timing import StageTimes
 
 __all__ = ["CompileRecord", "DDPSplitBackend", "ddp_split", "plan_split"]
 
@@ -44,6 +45,8 @@ class CompileRecord:
     pieces: tuple[PieceRecord, ...]
     backward_order: tuple[int, ...] = ()
     """Pieces whose AOT forward metadata waits for their backward compile, in push order."""
+    times: StageTimes = field(default_factory=StageTimes)
+    """Seconds spent in each stage of this graph's compile (plan, split, inner, ...)."""
 
     @property
     def compiled_by(self) -> tuple[str, ...]:
@@ -112,7 +115,9 @@ def _plan_with_layout(
     names, ignored = _ddp_names(ddp_module)
     layout = layout_graph(gm, Ambient.capture())
     params = find_params(gm, layout.nodes, example_inputs, names=names, ddp_ignored=ignored)
-    plan = plan_buckets(layout, params, config.caps(ddp_module), graph_name=graph_name)
+    plan = plan_buckets(
+        layout, params, config.caps(ddp_module), graph_name=graph_name, min_piece_bytes=config.min_piece_bytes
+    )
     return plan, layout
 
 
@@ -168,25 +173,34 @@ class DDPSplitBackend:
             config = dataclasses.replace(config, mode=mode)
         inner = inner_compile(config)
         graph_name = _graph_name(next(self._graph_count))
+        times = StageTimes()
 
         if _torch.is_ddp_optimizer_piece(gm):
             self._warn_ddp_optimizer()
             plan = _ddp_optimizer_piece_plan(gm, config, graph_name)
-            return self._finish(plan, None, gm, compile_whole(gm, example_inputs, inner))
+            return self._finish(plan, None, gm, compile_whole(gm, example_inputs, inner, times), times)
 
-        plan, layout = _plan_with_layout(gm, example_inputs, config, None, graph_name)
-        if len(plan.buckets) == 1:
-            return self._finish(plan, None, gm, compile_whole(gm, example_inputs, inner))
-        split = split_graph(gm, layout, plan.cuts)
-        return self._finish(plan, split, gm, compile_pieces(split, example_inputs, inner, reuse=config.reuse))
+        with times.measure("plan"):
+            plan, layout = _plan_with_layout(gm, example_inputs, config, None, graph_name)
+        if len(plan.pieces) == 1:
+            return self._finish(plan, None, gm, compile_whole(gm, example_inputs, inner, times), times)
+        with times.measure("split"):
+            split = split_graph(gm, layout, plan.cuts)
+        compiled = compile_pieces(split, example_inputs, inner, times, reuse=config.reuse)
+        return self._finish(plan, split, gm, compiled, times)
 
     def _finish(
-        self, plan: SplitPlan, split: SplitGraph | None, gm: fx.GraphModule, compiled: CompiledPieces
+        self,
+        plan: SplitPlan,
+        split: SplitGraph | None,
+        gm: fx.GraphModule,
+        compiled: CompiledPieces,
+        times: StageTimes,
     ) -> Callable[..., Any]:
         """Record and log what was done; wrap the callables for run time."""
-        record = CompileRecord(plan, compiled.records, compiled.backward_order)
+        record = CompileRecord(plan, compiled.records, compiled.backward_order, times)
         self.records.append(record)
-        log_compiled(plan, split, record.compiled_by)
+        log_compiled(plan, split, record.compiled_by, times)
         if split is not None:
             return StitchedCallable(split, compiled.callables, record.compiled_by)
         (fn,) = compiled.callables

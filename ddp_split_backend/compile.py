@@ -24,6 +24,7 @@ from . import _torch
 from .guards import Attempt, attempt, call_inner, preserve_global_state, track_state_calls
 from .reuse import fresh_outputs, reusable_outputs, structure_key
 from .split import SplitGraph
+from .timing import StageTimes
 
 __all__ = ["CompiledPieces", "Outcome", "PieceRecord", "compile_pieces", "compile_whole", "copy_module"]
 
@@ -174,19 +175,23 @@ def _compile_unit(
     count: int,
     context: Any,
     fake_mode: Any | None,
+    times: StageTimes,
 ) -> _Compiled:
     """Compile one graph with the inner backend. With ``fake_mode`` (a piece whose outputs
     feed later pieces) its compiled code also runs once on fake inputs."""
-    pristine = copy_module(gm)
+    with times.measure("copy"):
+        pristine = copy_module(gm)
     metadata_before = _torch.aot_fw_metadata(context) if context is not None else None
-    result: Attempt = call_inner(inner.fn, gm, list(args))
+    with times.measure("inner"):
+        result: Attempt = call_inner(inner.fn, gm, list(args))
     used_aot = result.ok and context is not None and _torch.aot_fw_metadata(context) is not metadata_before
     outputs = None
     if used_aot and fake_mode is not None:
         # The compiled piece's first call on fake inputs gives its real output metadata.
         # It can still fail where compiling did not (AOTAutograd saving an inference
         # tensor for backward in a piece that starts inside inference_mode, say).
-        run = attempt(_run_on_fakes, result.value, args, fake_mode)
+        with times.measure("fake_run"):
+            run = attempt(_run_on_fakes, result.value, args, fake_mode)
         result = Attempt(result.value) if run.ok else run
         outputs = run.value
     if result.ok:
@@ -196,7 +201,8 @@ def _compile_unit(
         record = PieceRecord(index, Outcome.EAGER_FALLBACK, inner.name, error=result.error)
         used_aot = False
     if outputs is None and fake_mode is not None:
-        outputs = _run_on_fakes(pristine, args, fake_mode)
+        with times.measure("fake_run"):
+            outputs = _run_on_fakes(pristine, args, fake_mode)
     metadata = _torch.aot_fw_metadata(context) if used_aot else None
     return _Compiled(fn, record, outputs, metadata)
 
@@ -206,9 +212,13 @@ def _run_on_fakes(fn: Callable[..., Any], args: Sequence[Any], fake_mode: Any) -
         return list(fn(*args))
 
 
-def compile_whole(gm: fx.GraphModule, example_inputs: Sequence[Any], inner: InnerCompile) -> CompiledPieces:
+def compile_whole(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], inner: InnerCompile, times: StageTimes
+) -> CompiledPieces:
     """Compile ``gm`` as one piece (a one-bucket graph, or a piece DDPOptimizer cut)."""
-    unit = _compile_unit(gm, list(example_inputs), inner, index=0, count=1, context=None, fake_mode=None)
+    unit = _compile_unit(
+        gm, list(example_inputs), inner, index=0, count=1, context=None, fake_mode=None, times=times
+    )
     return CompiledPieces((unit.fn,), (unit.record,))
 
 
@@ -239,6 +249,7 @@ def compile_pieces(
     split: SplitGraph,
     example_inputs: Sequence[Any],
     inner: InnerCompile,
+    times: StageTimes,
     *,
     reuse: bool = False,
 ) -> CompiledPieces:
@@ -248,6 +259,7 @@ def compile_pieces(
         split: the pieces.
         example_inputs: what Dynamo passed the backend (real tensors, SymInts, ...).
         inner: the inner backend, its name, and whether its failures propagate.
+        times: where the seconds of each stage are added up.
         reuse: compile pieces with identical structure and input metadata once (see
             ``SplitConfig.reuse_identical_pieces``).
 
@@ -273,17 +285,19 @@ def compile_pieces(
     count = len(split.pieces)
     for piece in split.pieces:
         args = [values[s] for s in piece.inputs]
-        key = structure_key(piece.gm, args, piece.grad) if reuse else None
-        hit = reusable.get(key) if key is not None else None
+        with times.measure("reuse"):
+            key = structure_key(piece.gm, args, piece.grad) if reuse else None
+            hit = reusable.get(key) if key is not None else None
+            outputs = fresh_outputs(hit.outputs, fake_mode) if hit is not None else None
         if hit is not None:
-            outputs = fresh_outputs(hit.outputs, fake_mode)
             callables.append(hit.fn)
             records.append(PieceRecord(piece.index, Outcome.SHARED, inner.name, shared_with=hit.piece))
         else:
             _set_example_values(piece.gm, args)
             with _fakify_first_call(context), torch.set_grad_enabled(piece.grad):
                 unit = _compile_unit(
-                    piece.gm, args, inner, index=piece.index, count=count, context=context, fake_mode=fake_mode
+                    piece.gm, args, inner, index=piece.index, count=count, context=context,
+                    fake_mode=fake_mode, times=times,
                 )
             outputs = unit.outputs
             callables.append(unit.fn)

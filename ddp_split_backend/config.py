@@ -70,6 +70,12 @@ class SplitConfig:
     """Bucket capacity in MiB. ``None``: the active DDP module's cap, else DDP's default (25)."""
     first_bucket_cap_mb: float | None = None
     """First-bucket capacity in MiB. ``None``: DDP's first-bucket size, clamped to the cap."""
+    min_piece_mb: float | None = None
+    """Group consecutive buckets into pieces of at least this many MiB (never cutting inside a
+    bucket; DDP's buckets stay as they are). ``None``: one piece per bucket. Fewer pieces
+    cost less per step (each piece is one autograd node and one inner-backend call) and
+    fuse across more layers; more pieces start communication earlier. See the README's
+    "Choosing pieces"."""
     reuse_identical_pieces: bool | None = None
     """Compile pieces with the same ops and input metadata once (repeated transformer blocks).
     ``None``: on for registered backend names, off for callables (which may record or
@@ -90,6 +96,7 @@ class SplitConfig:
         _check_inner(self.inner)
         _check_size("bucket_cap_mb", self.bucket_cap_mb)
         _check_size("first_bucket_cap_mb", self.first_bucket_cap_mb)
+        _check_size("min_piece_mb", self.min_piece_mb, unset="one piece per bucket")
         if self.on_inner_failure not in INNER_FAILURE_CHOICES:
             raise SplitConfigError(
                 f"ddp_split option 'on_inner_failure' must be one of "
@@ -141,6 +148,11 @@ class SplitConfig:
             return isinstance(self.inner, str)
         return self.reuse_identical_pieces
 
+    @property
+    def min_piece_bytes(self) -> int | None:
+        """``min_piece_mb`` in bytes."""
+        return None if self.min_piece_mb is None else max(1, int(self.min_piece_mb * MIB))
+
     def caps(self, ddp_module: torch.nn.Module | None = None) -> BucketCaps:
         """Resolve capacities in bytes, reading the active DDP module where options are unset."""
         if self.bucket_cap_mb is not None:
@@ -160,14 +172,14 @@ class SplitConfig:
         return BucketCaps(first_bytes=max(1, min(first, cap)), bytes=cap)
 
 
-def _check_size(name: str, value: object) -> None:
+def _check_size(name: str, value: object, unset: str = "DDP's default") -> None:
     if value is None:
         return
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not ok or not math.isfinite(value) or value <= 0:  # type: ignore[arg-type]
         raise SplitConfigError(
             f"ddp_split option {name!r} must be a positive, finite number of MiB, got "
-            f"{value!r}. Use e.g. {name}=25, or leave it out for DDP's default."
+            f"{value!r}. Use e.g. {name}=25, or leave it out for {unset}."
         )
 
 
@@ -199,16 +211,12 @@ def _check_inner(inner: object) -> None:
 
 def inductor_option_names() -> list[str]:
     """Every inductor option (``torch._inductor.list_options()``): the keys of ``inner_options``."""
-    import torch._inductor  # loads inductor's config (a second or two), only when asked
-
-    return torch._inductor.list_options()
+    return _torch.inductor_list_options()()  # loads inductor's config (a second or two) when asked
 
 
 def inductor_mode_names() -> list[str]:
     """The modes ``torch.compile`` configures inductor with."""
-    import torch._inductor
-
-    return list(torch._inductor.list_mode_options())
+    return list(_torch.inductor_mode_options()())
 
 
 def _check_inductor_settings(inner: object, mode: object, options: object) -> None:
@@ -233,8 +241,7 @@ def _check_inductor_settings(inner: object, mode: object, options: object) -> No
             f"ddp_split option 'inner_options' must be a dict of inductor options, got "
             f"{type(options).__name__} {options!r}. Use e.g. inner_options={{'max_autotune': True}}."
         )
-    import torch._inductor.config as inductor_config
-
+    inductor_config = _torch.inductor_config()
     names = inductor_option_names()
     for key, value in options.items():
         if key not in names:

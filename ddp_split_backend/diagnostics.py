@@ -20,6 +20,7 @@ from typing import Any
 from . import _torch
 from .plan import SplitPlan
 from .split import SplitGraph
+from .timing import StageTimes
 
 __all__ = ["log_compiled", "plan_to_dict"]
 
@@ -38,18 +39,22 @@ def _jsonable(value: Any) -> Any:
 
 
 def plan_to_dict(plan: SplitPlan) -> dict[str, Any]:
-    """The plan as plain JSON-able data."""
-    return _jsonable(plan)
+    """The plan as plain JSON-able data, with the DDP buckets each piece holds."""
+    return {**_jsonable(plan), "pieces": [[b.bucket for b in p.buckets] for p in plan.pieces]}
 
 
-def log_compiled(plan: SplitPlan, split: SplitGraph | None, compiled_by: Sequence[str]) -> None:
+def log_compiled(
+    plan: SplitPlan, split: SplitGraph | None, compiled_by: Sequence[str], times: StageTimes
+) -> None:
     """Log and trace what the backend did with one graph."""
     if log.isEnabledFor(logging.INFO):
-        log.info("%s\n  compiled by: %s", plan.table(), ", ".join(compiled_by))
+        log.info("%s\n  compiled by: %s\n  compile %s", plan.table(), ", ".join(compiled_by), times.describe())
     _torch.trace_structured(
         "artifact",
         metadata_fn=lambda: {"name": "ddp_split_plan", "encoding": "json"},
-        payload_fn=lambda: json.dumps({**plan_to_dict(plan), "compiled_by": list(compiled_by)}),
+        payload_fn=lambda: json.dumps(
+            {**plan_to_dict(plan), "compiled_by": list(compiled_by), "compile_seconds": times.seconds}
+        ),
     )
     if split is None:
         return

@@ -22,11 +22,9 @@ __all__ = ["inductor_patches", "inner_compile"]
 
 def inductor_patches(mode: str | None, options: Mapping[str, Any] | None) -> dict[str, Any]:
     """The inductor config patches for ``mode`` overlaid with ``options``."""
-    import torch._inductor
-
     patches: dict[str, Any] = {}
     if mode is not None and mode != "default":
-        patches.update(torch._inductor.list_mode_options(mode))
+        patches.update(_torch.inductor_mode_options()(mode))
     patches.update(options or {})
     return patches
 

@@ -51,14 +51,15 @@ def draw_plans(plans: Sequence[SplitPlan], path: Path) -> Path:
                    color="#2a9d8f" if b.piece % 2 else "#264653", edgecolor="white")
             label = f"bucket {b.bucket}\n{_size(b.nbytes)}\n{len(b.params)} params"
             ax.text(b.start + b.node_count / 2, height + top * 0.02, label, ha="center", va="bottom", fontsize=7)
-            if b.piece:
-                ax.axvline(b.start, color="black", linestyle="--", linewidth=0.8)
             if b.adjustments:
                 ax.plot([b.start], [top * 1.05], marker="v", color="#e63946")
+        for piece in plan.pieces[1:]:  # the cuts; buckets grouped into one piece share a colour
+            ax.axvline(piece.start, color="black", linestyle="--", linewidth=0.8)
         ax.set_xlim(0, max(plan.node_count, 1))
         ax.set_ylim(0, top * 1.6)
         ax.set_ylabel("bucket MiB")
-        ax.set_title(f"{plan.graph_name}: {len(plan.buckets)} pieces, cap {_size(plan.caps.bytes)} "
+        ax.set_title(f"{plan.graph_name}: {len(plan.pieces)} pieces, {len(plan.buckets)} buckets, "
+                     f"cap {_size(plan.caps.bytes)} "
                      f"({plan.source})", fontsize=9)
     axes[-1, 0].set_xlabel("node position in the graph (forward order; backward runs right to left)")
     kinds = sorted({s.kind for p in plans for s in p.state_spans})

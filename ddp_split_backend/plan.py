@@ -27,6 +27,16 @@ Higher-order ops (activation checkpoint, flex_attention's ``score_mod``) are sin
 whose bodies are ``get_attr`` modules; the splitter copies those attributes into every piece
 that needs them, so no cut can fall inside one. A leading piece without parameters is folded
 into its neighbour. Every moved cut is recorded, with its reason, in the plan.
+
+Note [Pieces and buckets]
+-------------------------
+By default every bucket is its own piece. With ``min_piece_mb`` consecutive buckets are
+grouped into one piece, in backward order (bucket 0 first), until the group holds at least
+that many bytes; the group the walk ends on (the front of the graph, whose gradients are
+ready last) keeps what is left, however small: its communication can never overlap, so a
+small last piece is the cheap one. Grouping only removes cuts between buckets, so no cut
+ever falls inside a bucket and DDP's buckets are unchanged; each piece's buckets still
+launch together, as soon as that piece's backward has run.
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ __all__ = [
     "AdjustReason",
     "BoundaryAdjustment",
     "BucketPlan",
+    "PiecePlan",
     "SplitPlan",
     "StateSpan",
     "plan_buckets",
@@ -64,10 +75,10 @@ class BoundaryAdjustment:
 
 @dataclass(frozen=True, slots=True)
 class BucketPlan:
-    """One piece of the split graph, which is one DDP gradient bucket."""
+    """One DDP gradient bucket as the planner predicts it, and the piece that holds it."""
 
     piece: int
-    """Position in forward order (piece 0 runs first)."""
+    """The piece holding this bucket (pieces in forward order: piece 0 runs first)."""
     bucket: int
     """DDP's bucket index: 0 holds the gradients that are ready first (the last piece)."""
     nbytes: int
@@ -85,11 +96,47 @@ class BucketPlan:
 
 
 @dataclass(frozen=True, slots=True)
+class PiecePlan:
+    """One piece of the split graph: one or more consecutive buckets (Note [Pieces and buckets])."""
+
+    piece: int
+    """Position in forward order (piece 0 runs first)."""
+    buckets: tuple[BucketPlan, ...]
+    """The buckets it holds, in forward order (so DDP bucket indices descend)."""
+
+    @property
+    def start(self) -> int:
+        return self.buckets[0].start
+
+    @property
+    def stop(self) -> int:
+        return self.buckets[-1].stop
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
+
+    @property
+    def params(self) -> tuple[str, ...]:
+        return tuple(name for b in self.buckets for name in b.params)
+
+    @property
+    def node_count(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def bucket_label(self) -> str:
+        """``3`` for one bucket, ``5-3`` for buckets 5, 4 and 3."""
+        first, last = self.buckets[0].bucket, self.buckets[-1].bucket
+        return str(first) if first == last else f"{first}-{last}"
+
+
+@dataclass(frozen=True, slots=True)
 class SplitPlan:
     """Where one Dynamo graph is cut. Returned by :func:`ddp_split_backend.plan_split`."""
 
     buckets: tuple[BucketPlan, ...]
-    """Pieces in forward order."""
+    """DDP's buckets as predicted, in forward order (the last bucket first)."""
     caps: BucketCaps
     node_count: int
     ignored_params: tuple[str, ...] = ()
@@ -99,10 +146,20 @@ class SplitPlan:
     """``ddp_split`` for our own plan; ``DDPOptimizer piece`` when torch's DDPOptimizer had
     already cut the graph and the piece was compiled whole."""
     notes: tuple[str, ...] = field(default=())
+    min_piece_bytes: int | None = None
+    """``min_piece_mb`` in bytes: buckets are grouped into pieces of at least this size."""
+
+    @property
+    def pieces(self) -> tuple[PiecePlan, ...]:
+        """The pieces in forward order, each with the buckets it holds."""
+        groups: dict[int, list[BucketPlan]] = {}
+        for b in self.buckets:
+            groups.setdefault(b.piece, []).append(b)
+        return tuple(PiecePlan(piece, tuple(held)) for piece, held in sorted(groups.items()))
 
     @property
     def cuts(self) -> tuple[int, ...]:
-        return tuple(b.start for b in self.buckets[1:])
+        return tuple(p.start for p in self.pieces[1:])
 
     @property
     def adjustments(self) -> tuple[BoundaryAdjustment, ...]:
@@ -110,15 +167,23 @@ class SplitPlan:
 
     def table(self) -> str:
         """The plan as a text table (what ``TORCH_LOGS=ddp_split`` prints)."""
-        rows = [("piece", "bucket", "bytes", "nodes", "parameters")]
-        for b in self.buckets:
+        pieces = self.pieces
+        grouped = len(pieces) != len(self.buckets)
+        rows = [("piece", "buckets" if grouped else "bucket", "bytes", "nodes", "parameters")]
+        for p in pieces:
             rows.append(
-                (str(b.piece), str(b.bucket), f"{b.nbytes:,}", str(b.node_count), ", ".join(b.params) or "-")
+                (str(p.piece), p.bucket_label, f"{p.nbytes:,}", str(p.node_count), ", ".join(p.params) or "-")
             )
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        grouping = (
+            f", {len(self.buckets)} buckets, min piece {self.min_piece_bytes:,} B"
+            if self.min_piece_bytes is not None
+            else ""
+        )
         lines = [
-            f"ddp_split plan {self.graph_name or ''} ({self.source}): {len(self.buckets)} pieces, "
+            f"ddp_split plan {self.graph_name or ''} ({self.source}): {len(pieces)} pieces, "
             f"{self.node_count} nodes, cap {self.caps.bytes:,} B, first cap {self.caps.first_bytes:,} B"
+            f"{grouping}"
         ]
         for r in rows:
             lines.append("  ".join(r[i].rjust(widths[i]) for i in range(4)) + "  " + r[4])
@@ -137,8 +202,9 @@ def plan_buckets(
     caps: BucketCaps,
     *,
     graph_name: str = "",
+    min_piece_bytes: int | None = None,
 ) -> SplitPlan:
-    """Choose the cuts of a graph (see Note [Bucket plan])."""
+    """Choose the cuts of a graph (see Note [Bucket plan] and Note [Pieces and buckets])."""
     nodes = layout.nodes
     count = len(nodes)
     completed = params.completed_at()
@@ -190,13 +256,14 @@ def plan_buckets(
         ]
         built[:2] = [(0, second[1], first[2] + second[2], merged_adjustments)]
 
+    piece_of = _group_buckets([b[1] for b in built], min_piece_bytes)
     buckets = []
-    for piece, (start, size_bytes, piece_names, piece_adjustments) in enumerate(built):
-        stop = built[piece + 1][0] if piece + 1 < len(built) else count
+    for index, (start, size_bytes, piece_names, piece_adjustments) in enumerate(built):
+        stop = built[index + 1][0] if index + 1 < len(built) else count
         buckets.append(
             BucketPlan(
-                piece=piece,
-                bucket=len(built) - 1 - piece,
+                piece=piece_of[index],
+                bucket=len(built) - 1 - index,
                 nbytes=size_bytes,
                 params=tuple(reversed(piece_names)),
                 start=start,
@@ -211,4 +278,21 @@ def plan_buckets(
         ignored_params=params.ignored,
         graph_name=graph_name,
         state_spans=state_spans(layout),
+        min_piece_bytes=min_piece_bytes,
     )
+
+
+def _group_buckets(sizes: list[int], min_piece_bytes: int | None) -> list[int]:
+    """The piece of each bucket (both in forward order), grouping from the back (Note
+    [Pieces and buckets])."""
+    if min_piece_bytes is None:
+        return list(range(len(sizes)))
+    group_of_reversed: list[int] = []
+    group, held = 0, 0
+    for size in reversed(sizes):
+        if held >= min_piece_bytes:
+            group, held = group + 1, 0
+        group_of_reversed.append(group)
+        held += size
+    last = group_of_reversed[-1] if group_of_reversed else 0
+    return [last - g for g in reversed(group_of_reversed)]
