@@ -161,6 +161,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "--dropout 0 with --compare for a parameter-exact comparison")
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-params", metavar="PATH", default=None,
+                   help="every rank writes its final parameters to PATH.rank<global rank>")
     return p.parse_args(argv)
 
 
@@ -273,6 +275,9 @@ def main(argv: list[str] | None = None) -> None:
         if rank == 0:
             print(f"compare with {args.compare}: max |param diff| {diff:.3e}, "
                   f"median step time ratio ddp_split/{args.compare} {ratio:.3f}")
+    if args.save_params:
+        params = {n: t.detach().cpu() for n, t in trainers[0].model.named_parameters()}
+        torch.save(params, f"{args.save_params}.rank{rank}")
     # Reducers first, then the process group: see Note [Teardown deadlock] in
     # ddp_split_backend/teardown.py (a plain destroy_process_group() can hang at exit).
     ddp_split_backend.close_ddp(*(trainer.model for trainer in trainers))
