@@ -182,10 +182,11 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         out.sum().backward()
         t2 = time.perf_counter()
         c2 = time.process_time()
-        # second call: steady state, for reference
+        # second call: steady state, to tell the first call's compiles from its execution
         out = ddp(x)
-        out.sum().backward()
         t3 = time.perf_counter()
+        out.sum().backward()
+        t4 = time.perf_counter()
     result = {
         "mode": args.worker,
         "first_call_s": t2 - t0,
@@ -194,16 +195,43 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         "first_call_cpu_s": c2 - c0,
         "first_forward_s": t1 - t0,
         "first_backward_s": t2 - t1,
-        "second_step_s": t3 - t2,
+        "second_step_s": t4 - t2,
+        "second_forward_s": t3 - t2,
+        "second_backward_s": t4 - t3,
         "warmup_s": warmup_s,
         "pieces": counting.calls,
         "inner_backend_s": counting.seconds,
     }
     if split_backend is not None:
         result["ddp_split_backend_s"] = split_backend.seconds
-        result["plan_pieces"] = len(split_backend.records[-1].plan.buckets)
+        result["plan_pieces"] = sum(len(r.plan.pieces) for r in split_backend.records)
+        result["stage_s"] = {
+            stage: sum(r.times.seconds[stage] for r in split_backend.records)
+            for stage in split_backend.records[-1].times.seconds
+        }
     ddp_split_backend.close_ddp(ddp)  # reducers before the group: Note [Teardown deadlock]
     return result
+
+
+def breakdown(run: dict[str, Any]) -> dict[str, float]:
+    """Split one first call into its parts (seconds).
+
+    ``tracing``: the first forward less the backend call and one steady forward: Dynamo's
+    work (for ``ddp_optimizer`` this includes DDPOptimizer's own splitting, which cannot be
+    timed apart from outside). ``ours``: ddp_split's own stages (plan, split, copy, fake
+    runs, reuse keys; ``CompileRecord.times``). ``inner_fw``: the inner backend's forward
+    compiles. ``bw_compile``: the first backward less a steady one (AOTAutograd compiles
+    the backward graphs on the first backward).
+    """
+    backend = run.get("ddp_split_backend_s", run["inner_backend_s"])
+    stages = run.get("stage_s")
+    return {
+        "tracing": run["first_forward_s"] - backend - run["second_forward_s"],
+        "ours": sum(v for k, v in stages.items() if k != "inner") if stages else 0.0,
+        "inner_fw": run["inner_backend_s"],
+        "bw_compile": run["first_backward_s"] - run["second_backward_s"],
+        "first_call": run["first_call_s"],
+    }
 
 
 def _warmup_fn(x: torch.Tensor) -> torch.Tensor:
@@ -276,7 +304,10 @@ def main(argv: list[str] | None = None) -> int:
             ),
             "second_step_ms": 1e3 * statistics.median(r["second_step_s"] for r in mine),
             "pieces": mine[0]["pieces"],
+            "breakdown_s": {part: statistics.median(breakdown(r)[part] for r in mine) for part in breakdown(mine[0])},
         }
+        if mode == "ddp_split":
+            rows[mode]["stage_s"] = {k: statistics.median(r["stage_s"][k] for r in mine) for k in mine[0]["stage_s"]}
     print(f"\n{args.blocks} residual blocks x Linear({args.width})+LayerNorm+GELU, batch {args.batch}, "
           f"cap {args.bucket_cap_mb:g} MB, inner {args.inner}, median of {args.repeats}")
     print(f"{'mode':<15}{'first call s':>13}{'all runs':>20}{'cpu s':>8}{'fwd s':>8}{'bwd s':>8}"
@@ -288,6 +319,22 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['first_forward_s']:>8.2f}"
               f"{r['first_backward_s']:>8.2f}{r['inner_backend_s']:>9.2f}{ovh:>12}{r['pieces']:>8}"
               f"{r['second_step_ms']:>12.1f}")
+    print(f"\nwhere the first call goes (s, median):\n{'mode':<15}{'tracing':>9}{'ddp_split':>11}"
+          f"{'inner fw':>10}{'bw compile':>12}{'first call':>12}")
+    for mode, r in rows.items():
+        b = r["breakdown_s"]
+        ours = f"{b['ours']:.3f}" if mode == "ddp_split" else "-"
+        print(f"{mode:<15}{b['tracing']:>9.2f}{ours:>11}{b['inner_fw']:>10.2f}{b['bw_compile']:>12.2f}"
+              f"{b['first_call']:>12.2f}")
+    floor = None
+    if "ddp_split" in rows and "no_split" in rows:
+        split = rows["ddp_split"]["breakdown_s"]
+        floor = rows["no_split"]["breakdown_s"]["tracing"] + split["inner_fw"] + split["bw_compile"]
+        stages = ", ".join(f"{k} {1e3 * v:.0f} ms" for k, v in rows["ddp_split"]["stage_s"].items())
+        print(f"floor (one-graph tracing + ddp_split's distinct inner compiles) {floor:.2f} s; ddp_split "
+              f"{split['first_call']:.2f} s = {split['first_call'] / floor:.3f} x floor; "
+              f"ddp_split's own {split['ours']:.3f} s = {split['ours'] / split['first_call']:.2%} of its first call "
+              f"({stages})")
     ratio = cpu_ratio = None
     if "ddp_split" in rows and "ddp_optimizer" in rows:
         ratio = rows["ddp_split"]["first_call_s"] / rows["ddp_optimizer"]["first_call_s"]
@@ -303,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     env["loadavg_end"] = os.getloadavg()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    args.out.write_text(json.dumps({"environment": env, "config": config, "rows": rows,
+    args.out.write_text(json.dumps({"environment": env, "config": config, "rows": rows, "floor_s": floor,
                                     "ratio_ddp_split_over_ddp_optimizer": ratio,
                                     "cpu_ratio_ddp_split_over_ddp_optimizer": cpu_ratio, "runs": runs}, indent=1))
     print(f"wrote {args.out}")

@@ -265,7 +265,7 @@ def run_step(mode: Mode, x: torch.Tensor, link: Link) -> dict[str, Any]:
 
 def pieces_of(mode: Mode) -> int | None:
     if isinstance(mode.backend, DDPSplitBackend):
-        return len(mode.backend.records[-1].plan.buckets) if mode.backend.records else None
+        return len(mode.backend.records[-1].plan.pieces) if mode.backend.records else None
     if isinstance(mode.backend, CountingBackend):
         return mode.backend.calls
     return None
@@ -274,7 +274,7 @@ def pieces_of(mode: Mode) -> int | None:
 def last_piece_bytes(mode: Mode) -> int | None:
     """Bytes of the piece backward reaches last (piece 0): its gradients can never overlap."""
     if isinstance(mode.backend, DDPSplitBackend) and mode.backend.records:
-        return mode.backend.records[-1].plan.buckets[0].nbytes
+        return mode.backend.records[-1].plan.pieces[0].nbytes
     return None
 
 

@@ -8,10 +8,11 @@ Two parts, each stepping every mode round-robin in one process (ratios within on
   pieces (autograd nodes, the inner backend's wrappers) show here, communication does not.
   Modes: eager DDP, one compiled graph (``optimize_ddp=False``, no split), DDPOptimizer, and
   ddp_split with 1, 2, 4, 8 and 32 buckets per piece (``min_piece_mb``).
-* ``tradeoff``: 16 x Linear(1024) + GELU at batch 64, cap 4 MiB (16 buckets), gradients sent
-  over the simulated link of ``overlap.py`` at speeds set from the backward time measured at
-  the start of the run (communication = 0.5 x and 2 x backward) and at 1 GB/s. ddp_split
-  with 1, 2, 4, 8 and 16 buckets per piece against DDPOptimizer and eager DDP.
+* ``tradeoff``: 16 x Linear(1024) + GELU at batch 64, cap 4 MiB (16 buckets), and then the
+  overhead model, with gradients sent over the simulated link of ``overlap.py`` at speeds set
+  from the backward time measured at the start of the run (communication = 0.5 x and 2 x
+  backward) and at 1 GB/s. ddp_split with 1, 2, 4, 8 and 16 (32) buckets per piece against
+  DDPOptimizer and eager DDP.
 
 Examples::
 
@@ -56,9 +57,11 @@ class Workload:
     cap_mb: float
     groups: tuple[int, ...]
     """Buckets per piece to measure ddp_split with (1 = the default, one piece per bucket)."""
+    threads: int | None = None
+    """torch.set_num_threads while it runs (None: torch's default)."""
 
 
-OVERHEAD = Workload("overhead", depth=32, width=512, batch=2, cap_mb=1.0, groups=(1, 2, 4, 8, 32))
+OVERHEAD = Workload("overhead", depth=32, width=512, batch=2, cap_mb=1.0, groups=(1, 2, 4, 8, 32), threads=1)
 TRADEOFF = Workload("tradeoff", depth=16, width=1024, batch=64, cap_mb=4.0, groups=(1, 2, 4, 8, 16))
 
 
@@ -183,49 +186,57 @@ def backward_seconds(work: Workload, x: torch.Tensor, reps: int = 10) -> float:
     return statistics.median(times[2:])
 
 
+@contextlib.contextmanager
+def threads_of(work: Workload) -> Iterator[None]:
+    before = torch.get_num_threads()
+    if work.threads is not None:
+        torch.set_num_threads(work.threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def run_overhead(inner: str, args: argparse.Namespace) -> dict[str, Any]:
     work = OVERHEAD
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with threads_of(work):
         modes = [build(work, n, inner, _instant_hook, None) for n in mode_names(work, compiled=True)]
         x = torch.randn(work.batch, work.width)
         round_robin(modes, x, args.warmup, args.rounds, lambda: None)
-    finally:
-        torch.set_num_threads(threads)
-    return {"workload": work.__dict__, "inner": inner, "threads": 1, "rows": summarize(modes)}
+        return {"workload": work.__dict__, "inner": inner, "threads": torch.get_num_threads(),
+                "rows": summarize(modes)}
 
 
-def run_tradeoff(inner: str, args: argparse.Namespace) -> dict[str, Any]:
-    work = TRADEOFF
-    x = torch.randn(work.batch, work.width)
-    backward = backward_seconds(work, x)
-    grad_bytes = work.depth * (work.width + 1) * work.width * 4
-    link = Link()
-    try:
-        modes = [
-            build(work, name, inner, link_hook, HookState(link, name, {}, record_params=False))
-            for name in mode_names(work, compiled=True)
-            if name != "one_graph"  # no overlap at all: overlap.py covers it
-        ]
-        speeds = {f"comm {r} x backward": grad_bytes / (r * backward) for r in args.comm_ratios}
-        speeds["1 GB/s"] = 1e9
-        results = {}
-        for label, bandwidth in speeds.items():
-            link.bandwidth = bandwidth
-            round_robin(modes, x, args.warmup, args.rounds, link.reset)
-            rows = summarize(modes)
-            results[label] = {"bandwidth": bandwidth, "comm_ms": 1e3 * grad_bytes / bandwidth, "rows": rows}
-    finally:
-        link.close()
-    return {
-        "workload": work.__dict__,
-        "inner": inner,
-        "threads": torch.get_num_threads(),
-        "backward_ms": 1e3 * backward,
-        "grad_bytes": grad_bytes,
-        "speeds": results,
-    }
+def run_tradeoff(work: Workload, inner: str, args: argparse.Namespace) -> dict[str, Any]:
+    with threads_of(work):
+        x = torch.randn(work.batch, work.width)
+        backward = backward_seconds(work, x)
+        grad_bytes = work.depth * (work.width + 1) * work.width * 4
+        link = Link()
+        try:
+            modes = [
+                build(work, name, inner, link_hook, HookState(link, name, {}, record_params=False))
+                for name in mode_names(work, compiled=True)
+                if name != "one_graph"  # no overlap at all: overlap.py covers it
+            ]
+            speeds = {f"comm {r} x backward": grad_bytes / (r * backward) for r in args.comm_ratios}
+            speeds["1 GB/s"] = 1e9
+            results = {}
+            for label, bandwidth in speeds.items():
+                link.bandwidth = bandwidth
+                round_robin(modes, x, args.warmup, args.rounds, link.reset)
+                rows = summarize(modes)
+                results[label] = {"bandwidth": bandwidth, "comm_ms": 1e3 * grad_bytes / bandwidth, "rows": rows}
+        finally:
+            link.close()
+        return {
+            "workload": work.__dict__,
+            "inner": inner,
+            "threads": torch.get_num_threads(),
+            "backward_ms": 1e3 * backward,
+            "grad_bytes": grad_bytes,
+            "speeds": results,
+        }
 
 
 @contextlib.contextmanager
@@ -249,7 +260,8 @@ def print_overhead(result: dict[str, Any]) -> None:
 
 
 def print_tradeoff(result: dict[str, Any]) -> None:
-    print(f"\ntradeoff model, inner={result['inner']}, backward {result['backward_ms']:.1f} ms")
+    print(f"\n{result['workload']['name']} model over a link, inner={result['inner']}, "
+          f"{result['threads']} thread(s), backward {result['backward_ms']:.1f} ms")
     for label, speed in result["speeds"].items():
         print(f"  {label} (comm {speed['comm_ms']:.1f} ms)")
         for name, row in speed["rows"].items():
@@ -277,7 +289,8 @@ def picture(results: list[dict[str, Any]], path: Path) -> None:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("buckets per piece (min_piece_mb)")
         ax.set_ylabel("step time / DDPOptimizer's")
-        ax.set_title(f"{result['workload']['name']} model, {result['inner']}", fontsize=9)
+        comm = "instant comm" if "rows" in result else "simulated link"
+        ax.set_title(f"{result['workload']['name']} model, {comm}, {result['inner']}", fontsize=9)
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -300,8 +313,10 @@ def main() -> None:
                 record["overhead"].append(run_overhead(inner, args))
                 print_overhead(record["overhead"][-1])
             if args.part in ("tradeoff", "all"):
-                record["tradeoff"].append(run_tradeoff(inner, args))
-                print_tradeoff(record["tradeoff"][-1])
+                for work in (TRADEOFF, OVERHEAD):
+                    record["tradeoff"].append(run_tradeoff(work, inner, args))
+                    print_tradeoff(record["tradeoff"][-1])
+                    torch._dynamo.reset()
             torch._dynamo.reset()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1))
