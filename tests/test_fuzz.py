@@ -106,6 +106,7 @@ class Program(NamedTuple):
     bucket_cap_mb: float = 0.001
     first_bucket_cap_mb: float | None = None
     path: str = "name"
+    min_piece_mb: float | None = None
 
 
 def _note(text: str) -> None:
@@ -315,6 +316,7 @@ def programs(draw: st.DrawFn) -> Program:
         bucket_cap_mb=cap,
         first_bucket_cap_mb=None if first is None else min(first, cap),
         path=draw(st.sampled_from(PATHS)),
+        min_piece_mb=draw(st.one_of(st.none(), st.none(), st.sampled_from([0.0002, 0.0005, 0.002]))),
     )
 
 
@@ -419,6 +421,8 @@ def check_program(program: Program) -> None:
     options = {"inner": "aot_eager", "bucket_cap_mb": program.bucket_cap_mb}
     if program.first_bucket_cap_mb is not None:
         options["first_bucket_cap_mb"] = program.first_bucket_cap_mb
+    if program.min_piece_mb is not None:
+        options["min_piece_mb"] = program.min_piece_mb
     if program.path == "name":  # the shared instance registered as "ddp_split"
         backend = ddp_split
         backend.records.clear()
@@ -438,7 +442,9 @@ def check_program(program: Program) -> None:
         _event("identical pieces shared")
     for record in records:
         _note(record.plan.table())
-    pieces = max((len(r.plan.buckets) for r in records), default=0)
+    if any(len(piece.buckets) > 1 for r in records for piece in r.plan.pieces):
+        _event("buckets grouped into one piece (min_piece_mb)")
+    pieces = max((len(r.plan.pieces) for r in records), default=0)
     _event(f"pieces (largest graph): {pieces if pieces < 4 else '4+'}")
     fallbacks = [str(w.message) for w in caught if "failed on piece" in str(w.message)]
     if fallbacks:
