@@ -22,6 +22,17 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m 'not slow and not multiprocess and not fuzz'
 
+# The benchmarks of benchmarks/RESULTS.md, each printing its tables and writing
+# benchmarks/results/*.json (about 25 minutes on 2 quiet cores).
+bench: $(STAMP)
+	$(PY) -m pip install -q -c constraints.txt -e '.[bench]'
+	$(PY) benchmarks/step_overhead.py
+	$(PY) benchmarks/profile_step.py
+	$(PY) benchmarks/compile_time.py --out benchmarks/results/compile_time_reuse.json
+	$(PY) benchmarks/compile_time.py --no-reuse --modes ddp_optimizer ddp_split --repeats 1 \
+		--out benchmarks/results/compile_time_no_reuse.json
+	$(PY) benchmarks/overlap.py --inner inductor --bandwidth 1 --out benchmarks/results/overlap_issue14.json --timeline ''
+
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow --hypothesis-show-statistics
 
