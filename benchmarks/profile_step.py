@@ -7,7 +7,10 @@ thread). Only samples taken inside the measured steps count (warm-up and compile
 Each sample is charged to one layer, by its innermost Python frame and the native frames under it:
 
 * ``kernels``: native compute (aten, MKL/oneDNN, inductor's C++ kernels) and the Python that
-  issues it (the module's forward in eager, the compiled graph's code);
+  issues it (the module's forward in eager, an FX graph's code);
+* ``inductor_py``: inductor's generated wrapper around its kernels (``Runner.call`` in the
+  output-code module), once per compiled graph per call: its size asserts, buffer
+  allocations and the dispatch of extern kernels (not the compute under them);
 * ``ddp_split``: this package's runtime (piece loop, slots, state guards);
 * ``aot_autograd``: the inner backend's per-call wrappers (runtime wrapper, autograd Function,
   forward and backward);
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -36,7 +40,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-LAYERS = ("kernels", "ddp_split", "aot_autograd", "ddp_cpp", "ddp_python", "autograd", "dynamo", "other")
+LAYERS = ("kernels", "inductor_py", "ddp_split", "aot_autograd", "ddp_cpp", "ddp_python", "autograd", "dynamo", "other")
 MARKER = "measured_steps"
 KERNEL_MARKS = ("at::native::", "at::vec::", "mkl", "dnnl", "gemm", "sleef", "cpp_fused", "vectorized_loop")
 PYTHON_LAYERS = (  # (file fragment, layer), first match wins
@@ -44,7 +48,6 @@ PYTHON_LAYERS = (  # (file fragment, layer), first match wins
     ("torch/_functorch/", "aot_autograd"),
     ("torch/nn/parallel/distributed.py", "ddp_python"),
     ("torch/_dynamo/", "dynamo"),
-    ("torchinductor", "kernels"),  # inductor's generated wrapper code
     ("<eval_with_key>", "kernels"),  # an FX graph's generated forward
     ("torch/nn/modules/", "kernels"),
     ("torch/nn/functional.py", "kernels"),
@@ -72,6 +75,10 @@ def worker(mode_name: str, inner: str, steps: int, result: str) -> None:
         Path(result).write_text(json.dumps({"pieces": mode.pieces()}))
 
 
+INDUCTOR_CODE = re.compile(r"\(c[a-z0-9]{40,}\.py:\d+\)")
+"""A frame of inductor's output code: py-spy names the module file by its hashed name only."""
+
+
 def _is_python(frame: str) -> bool:
     return ".py:" in frame or "<eval_with_key>" in frame
 
@@ -85,6 +92,8 @@ def layer_of(frames: list[str]) -> str:
     if any(any(mark in f for mark in KERNEL_MARKS) for f in native):
         return "kernels"
     for frame in reversed(frames[: innermost + 1]):
+        if INDUCTOR_CODE.search(frame):
+            return "inductor_py"
         for fragment, layer in PYTHON_LAYERS:
             if fragment in frame:
                 return layer
