@@ -153,7 +153,7 @@ def main() -> None:
     rows = []
     for inner in args.inner:
         for mode in args.modes:
-            if mode == "eager_ddp" and rows and any(r["mode"] == "eager_ddp" for r in rows):
+            if mode == "eager_ddp" and any(r["mode"] == "eager_ddp" for r in rows):
                 continue  # eager does not depend on the inner backend
             rows.append(profile(mode, inner, args.steps, args.rate))
             print(f"{inner} {mode}: {rows[-1]['step_us']:.0f} us/step sampled", flush=True)
