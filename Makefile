@@ -5,13 +5,17 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ddp-split-installed
 BENCH_STAMP := $(VENV)/.ddp-split-bench-installed
 
-.PHONY: demo test test-fast test-slow bench clean
+# Another supported torch: its own venv in a cache folder outside the clone (.ci/torch/ pins
+# each release's extras). make test-torch TORCH=2.15.0 (releases: ls .ci/torch).
+TORCH ?= 2.15.0
+
+.PHONY: demo test test-fast test-slow test-torch bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[test,plot,models,launchers]'
+	$(PY) .ci/pip_keeps_torch.py -c constraints.txt -e '.[test,plot,models,launchers]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -36,6 +40,9 @@ bench: $(BENCH_STAMP)
 	$(PY) benchmarks/compile_time.py --no-reuse --modes ddp_optimizer ddp_split --repeats 1 \
 		--out benchmarks/results/compile_time_no_reuse.json
 	$(PY) benchmarks/overlap.py --inner inductor --bandwidth 1 --out benchmarks/results/overlap_issue14.json --timeline ''
+
+test-torch:
+	.ci/test_torch.sh $(TORCH)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow --hypothesis-show-statistics

@@ -19,13 +19,68 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-__all__ = ["PRIVATE_NAMES", "TorchInternalsError", "PrivateName"]
+__all__ = [
+    "DIFFERENCES",
+    "PRIVATE_NAMES",
+    "SUPPORTED",
+    "PrivateName",
+    "ReleaseDifference",
+    "TorchInternalsError",
+    "UnsupportedTorchError",
+    "aot_compiles_inference_mode_under_autograd",
+    "check_release",
+]
 
-SUPPORTED = "torch>=2.13,<2.14"
+SUPPORTED = "torch>=2.11,<2.16"
+"""The releases ddp_split is tested on (the CI matrix); ``pyproject.toml`` declares the same."""
+_LOWEST, _BEYOND = (2, 11), (2, 16)
 
 
 class TorchInternalsError(ImportError):
     """A private torch name ddp_split depends on is missing from the installed torch."""
+
+
+class UnsupportedTorchError(ImportError):
+    """The installed torch is outside the releases ddp_split supports."""
+
+
+def _release(version: str | None = None) -> tuple[int, int]:
+    major, minor = (int(part) for part in (version or torch.__version__).split("+")[0].split(".")[:2])
+    return major, minor
+
+
+def check_release(version: str) -> None:
+    """Raise :class:`UnsupportedTorchError` naming the supported range unless ``version`` is in it."""
+    if not _LOWEST <= _release(version) < _BEYOND:
+        raise UnsupportedTorchError(
+            f"ddp_split supports {SUPPORTED}; this is torch {version}. Install a torch in that "
+            "range, or a ddp_split release that supports yours."
+        )
+
+
+check_release(torch.__version__)
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseDifference:
+    """One way supported torch releases differ that ddp_split handles (README: Supported torch)."""
+
+    what: str
+    """What differs."""
+    releases: str
+    """Which releases behave which way."""
+    handled: str
+    """How this module tells them apart and what the package does about it."""
+    upstream: str = ""
+    """The upstream issue or pull request, where there is one."""
+
+
+DIFFERENCES: list[ReleaseDifference] = []
+"""Every release difference handled here, in the order they are declared."""
+
+
+def _differs(what: str, releases: str, handled: str, upstream: str = "") -> None:
+    DIFFERENCES.append(ReleaseDifference(what, releases, handled, upstream))
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +104,28 @@ def _lazy(path: str, purpose: str) -> Callable[[], Any]:
     listed now and imported on first use."""
     PRIVATE_NAMES.append(PrivateName(path, purpose))
     return functools.cache(lambda: _lookup(path, purpose))
+
+
+def _first_present(paths: tuple[str, ...], purpose: str) -> Any:
+    """The first of ``paths`` the installed torch has (releases name one thing differently)."""
+    for path in paths:
+        try:
+            value = _lookup(path, purpose)
+        except TorchInternalsError:
+            continue
+        PRIVATE_NAMES.append(PrivateName(path, purpose))
+        return value
+    return _resolve(paths[0], purpose)  # raises, naming the newest spelling
+
+
+def _optional(path: str, purpose: str) -> Any | None:
+    """A private name only some supported releases have; ``None`` where it is missing."""
+    try:
+        value = _lookup(path, purpose)
+    except TorchInternalsError:
+        return None
+    PRIVATE_NAMES.append(PrivateName(path, purpose))
+    return value
 
 
 def _lookup(path: str, purpose: str) -> Any:
@@ -79,29 +156,72 @@ enter_autocast = _resolve("torch.amp.autocast_mode._enter_autocast", "autocast r
 exit_autocast = _resolve("torch.amp.autocast_mode._exit_autocast", "autocast region exit node")
 enter_inference_mode = _resolve("torch.autograd.grad_mode._enter_inference_mode", "inference-mode enter node")
 exit_inference_mode = _resolve("torch.autograd.grad_mode._exit_inference_mode", "inference-mode exit node")
-enter_dual_level = _resolve("torch._functorch.predispatch._enter_dual_level", "dual-level enter node")
-exit_dual_level = _resolve("torch._functorch.predispatch._exit_dual_level", "dual-level exit node")
-make_dual = _resolve("torch._make_dual", "makes a forward-AD dual tensor (never cut across)")
-unpack_dual = _resolve("torch._unpack_dual", "unpacks a dual tensor")
-predispatch = _resolve("torch._functorch.predispatch", "holds the pre-dispatch dual-tensor ops, where present")
+_PREDISPATCH = "torch._functorch.predispatch"
+enter_dual_level = _first_present(
+    (f"{_PREDISPATCH}._enter_dual_level", "torch._C._enter_dual_level"), "dual-level enter node"
+)
+exit_dual_level = _first_present(
+    (f"{_PREDISPATCH}._exit_dual_level", "torch._C._exit_dual_level"), "dual-level exit node"
+)
+dual_makers: tuple[Any, ...] = tuple(
+    f for f in (_optional(f"{_PREDISPATCH}._make_dual", "pre-dispatch make_dual node"),
+                _resolve("torch._make_dual", "makes a forward-AD dual tensor (never cut across)"))
+    if f is not None
+)
+"""Targets that make a dual tensor in a graph (every spelling the installed torch records)."""
+dual_unpackers: tuple[Any, ...] = tuple(
+    f for f in (_optional(f"{_PREDISPATCH}._unpack_dual", "pre-dispatch unpack_dual node"),
+                _resolve("torch._unpack_dual", "unpacks a dual tensor"))
+    if f is not None
+)
+"""Targets that unpack a dual tensor in a graph."""
+_differs(
+    "How Dynamo records forward-AD dual levels and dual tensors",
+    "2.11, 2.12: torch._C._enter_dual_level() / _exit_dual_level(level) (positional), torch._make_dual, "
+    "torch._unpack_dual; 2.13+: the torch._functorch.predispatch wrappers",
+    "enter_dual_level / exit_dual_level resolve to the first spelling present; dual_makers and "
+    "dual_unpackers hold every spelling present",
+)
 
 
-def _nesting(transform: str, what: str) -> tuple[Any, Any]:
-    """The enter/exit pair functorch records around a transform's region (uncuttable)."""
-    return (
-        _resolve(f"torch._C._functorch._{transform}_increment_nesting", f"{what} region enter (uncuttable)"),
-        _resolve(f"torch._C._functorch._{transform}_decrement_nesting", f"{what} region exit"),
-    )
+def _nesting(module: str, transform: str, what: str) -> tuple[Any, Any] | None:
+    """The enter/exit pair functorch records around a transform's region (uncuttable), or
+    ``None`` where this torch has no such pair in ``module``."""
+    enter = _optional(f"{module}._{transform}_increment_nesting", f"{what} region enter (uncuttable)")
+    exit_ = _optional(f"{module}._{transform}_decrement_nesting", f"{what} region exit")
+    if enter is None or exit_ is None:
+        return None
+    return enter, exit_
 
 
-vmap_nesting = _nesting("vmap", "vmap")
-grad_nesting = _nesting("grad", "torch.func.grad")
-jvp_nesting = _nesting("jvp", "torch.func.jvp")
+_FUNCTORCH = "torch._C._functorch"
+nesting_pairs: tuple[tuple[Any, Any], ...] = tuple(
+    pair for pair in (
+        _nesting(_PREDISPATCH, "vmap", "pre-dispatch vmap"),
+        _nesting(_PREDISPATCH, "jvp", "pre-dispatch torch.func.jvp"),
+        _nesting(_FUNCTORCH, "vmap", "vmap"),
+        _nesting(_FUNCTORCH, "grad", "torch.func.grad"),
+        _nesting(_FUNCTORCH, "jvp", "torch.func.jvp"),
+    ) if pair is not None
+)
+"""Enter/exit pairs of functorch transform regions, every spelling the installed torch has."""
+_differs(
+    "Pre-dispatch jvp nesting calls",
+    "2.11, 2.12: torch._functorch.predispatch has no _jvp_increment_nesting / _jvp_decrement_nesting "
+    "(its _vmap_* pair exists); 2.13+: both",
+    "nesting_pairs holds the pairs present",
+)
 set_inplace_requires_grad_allowed = _resolve(
     "torch._C._functorch.set_inplace_requires_grad_allowed", "functorch setter inside transforms (uncuttable)"
 )
 record_function_enter = _resolve("torch.ops.profiler._record_function_enter_new", "profiler range enter (uncuttable)")
 record_function_exit = _resolve("torch.ops.profiler._record_function_exit", "profiler range exit")
+record_function_pairs: tuple[tuple[Any, Any], ...] = (
+    (record_function_enter, record_function_exit),
+    (record_function_enter.default, _resolve(
+        "torch.ops.profiler._record_function_exit._RecordFunction", "profiler range exit (overload)")),
+)
+"""Enter/exit pairs of profiler ranges, as packets and as the overloads Dynamo may record."""
 
 # --- thread-local autograd and dispatcher state, restored after failures
 c_enter_dual_level = _resolve("torch._C._enter_dual_level", "probes and leaves forward-AD levels")
@@ -120,6 +240,7 @@ set_dispatch_key_included = _resolve("torch._C._dispatch_tls_set_dispatch_key_in
 set_dispatch_key_excluded = _resolve("torch._C._dispatch_tls_set_dispatch_key_excluded", "restores dispatch keys")
 
 # --- Dynamo, AOTAutograd and fake tensors
+pytree = _resolve("torch.utils._pytree", "flattens graph outputs into pieces' outputs and back")
 TracingContext = _resolve("torch._guards.TracingContext", "AOT fw_metadata stack and fakify_first_call")
 CompileContext = _resolve("torch._guards.CompileContext", "Dynamo's compile id for log lines")
 detect_fake_mode = _resolve("torch._guards.detect_fake_mode", "the fake mode Dynamo traced with")
@@ -183,9 +304,61 @@ def active_ddp_module() -> torch.nn.Module | None:
 
 
 def ddp_first_bucket_bytes(ddp_module: torch.nn.Module | None) -> int | None:
-    """DDP's first-bucket capacity (``_bucket_config.first_bucket_bytes_cap``), if it has one."""
+    """DDP's first-bucket capacity, or ``None`` without a DDP module."""
+    if ddp_module is None:
+        return None
     config = getattr(ddp_module, "_bucket_config", None)
-    return None if config is None else int(config.first_bucket_bytes_cap)
+    if config is not None:
+        return int(config.first_bucket_bytes_cap)
+    if hasattr(ddp_module, "bucket_bytes_cap_default"):
+        # DDP gives the first bucket its own (smaller) cap only when the user left the cap unset.
+        if ddp_module.bucket_bytes_cap_default:
+            return default_first_bucket_bytes()
+        return int(ddp_module.bucket_bytes_cap)
+    return None
+
+
+_differs(
+    "Where DDP keeps its first-bucket cap",
+    "2.11: DistributedDataParallel.bucket_bytes_cap / bucket_bytes_cap_default; 2.12+: _bucket_config",
+    "ddp_first_bucket_bytes reads whichever the DDP module has",
+)
+_differs(
+    "Backward's thread-local context stash (Note [Teardown deadlock])",
+    "2.11: no stash; 2.12: stashes and leaves the key behind; 2.13+: stashes and removes it",
+    "nothing to resolve: close_ddp releases reducers before the process group on every release",
+)
+
+
+def aot_compiles_inference_mode_under_autograd() -> bool:
+    """Whether AOTAutograd compiles an ``inference_mode`` region inside a graph that records
+    autograd. Where it cannot, such a piece (and plain ``torch.compile`` of the whole graph)
+    fails to compile and ddp_split runs it eagerly. A bug fix leaves no name to probe, so
+    this one question is answered from the release."""
+    return _release() >= (2, 13)
+
+
+_differs(
+    "AOTAutograd and inference_mode inside a graph that records autograd",
+    "2.11, 2.12: fails (RuntimeError: <weakref ... UntypedStorage>); 2.13+: compiles",
+    "aot_compiles_inference_mode_under_autograd(); such a piece runs eagerly (a recorded fallback)",
+    "pytorch/pytorch#169477, #181512; fixed by #181913",
+)
+
+
+def ddp_ignored(param: torch.Tensor) -> bool:
+    """Whether DDP was told to ignore ``param`` (``param._ddp_ignored``)."""
+    return bool(getattr(param, "_ddp_ignored", False))
+
+
+def dynamo_source(node: fx.Node) -> Any:
+    """Dynamo's source annotation on a placeholder (``node._dynamo_source``), if any."""
+    return getattr(node, "_dynamo_source", None)
+
+
+def set_dynamo_source(node: fx.Node, source: Any) -> None:
+    """Carry Dynamo's source annotation over to a copied placeholder."""
+    node._dynamo_source = source  # type: ignore[attr-defined]
 
 
 def default_first_bucket_bytes() -> int:

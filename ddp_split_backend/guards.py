@@ -276,7 +276,7 @@ def _exit_dual(level: int) -> None:
     _torch.exit_dual_level(level=level)
 
 
-def _tracked_exit_dual_level(*, level: int) -> None:
+def _tracked_exit_dual_level(level: int) -> None:  # keyword (2.13+) or positional (2.11, 2.12)
     _forget(level)
     _exit_dual(level)
 

@@ -77,16 +77,6 @@ def _transportable(node: fx.Node) -> bool:
     return value is _MISSING or isinstance(value, _TRANSPORTABLE)
 
 
-def _dual_sources() -> tuple[object, ...]:
-    pre = getattr(_torch.predispatch, "_make_dual", None)
-    return tuple(t for t in (pre, _torch.make_dual) if t is not None)
-
-
-def _unpack_targets() -> tuple[object, ...]:
-    pre = getattr(_torch.predispatch, "_unpack_dual", None)
-    return tuple(t for t in (pre, _torch.unpack_dual) if t is not None)
-
-
 def _storage_id(value: object) -> int | None:
     if not isinstance(value, torch.Tensor):
         return None
@@ -119,7 +109,7 @@ def layout_graph(gm: fx.GraphModule, ambient: Ambient) -> GraphLayout:
     dual = [0] * (count + 2)
     inference_read = [0] * (count + 2)
     in_inference = [any(r.kind is StateKind.INFERENCE for r in s.regions) for s in states]
-    make_dual, unpack = _dual_sources(), _unpack_targets()
+    make_dual, unpack = _torch.dual_makers, _torch.dual_unpackers
     tainted: set[fx.Node] = set()
     for i, node in enumerate(nodes):
         if (node.op == "call_function" and node.target in make_dual) or (

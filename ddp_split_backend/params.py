@@ -47,7 +47,7 @@ class ParamTable:
 
 
 def _is_ignored(param: torch.Tensor, name: str, ddp_ignored: frozenset[str]) -> bool:
-    return bool(getattr(param, "_ddp_ignored", False)) or name in ddp_ignored
+    return _torch.ddp_ignored(param) or name in ddp_ignored
 
 
 def _fqn_from_source(source: Any) -> str | None:
@@ -86,7 +86,7 @@ def _placeholder_name(node: fx.Node, value: object, names: dict[int, str]) -> st
     if known is not None:
         return known
     grapharg = _torch.grapharg(node)
-    source = getattr(grapharg, "source", None) or getattr(node, "_dynamo_source", None)
+    source = getattr(grapharg, "source", None) or _torch.dynamo_source(node)
     return _fqn_from_source(source) or node.name
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch.utils._pytree as pytree
 
 from . import _torch
 from .guards import GlobalState
@@ -58,7 +57,7 @@ class StitchedCallable:
         self._num_inputs = split.num_inputs
         self._leaves = split.output_leaves
         self._flat_tuple = all(s is not None for s in split.output_leaves) and (
-            split.output_spec == pytree.tree_flatten(tuple(range(len(split.output_leaves))))[1]
+            split.output_spec == _torch.pytree.tree_flatten(tuple(range(len(split.output_leaves))))[1]
         )
         self._constants = split.output_constants
         self._spec = split.output_spec
@@ -85,4 +84,4 @@ class StitchedCallable:
         leaves = [
             c if s is None else values[s] for s, c in zip(self._leaves, self._constants)
         ]
-        return pytree.tree_unflatten(leaves, self._spec)
+        return _torch.pytree.tree_unflatten(leaves, self._spec)

@@ -40,7 +40,6 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 
 from . import _torch
 from .layout import GraphLayout
@@ -85,7 +84,7 @@ class SplitGraph:
     output_leaves: tuple[int | None, ...]
     """Per leaf of the graph output: the slot holding it, or ``None`` for a constant."""
     output_constants: tuple[Any, ...]
-    output_spec: pytree.TreeSpec
+    output_spec: _torch.pytree.TreeSpec
     placeholders: tuple[fx.Node, ...]
 
 
@@ -147,9 +146,9 @@ def _reducer_order_key(node: fx.Node) -> tuple[int, int]:
 def _copy_placeholder(graph: fx.Graph, source: fx.Node) -> fx.Node:
     placeholder = graph.placeholder(source.name, type_expr=source.type)
     placeholder.meta = dict(source.meta)
-    dynamo_source = getattr(source, "_dynamo_source", None)
+    dynamo_source = _torch.dynamo_source(source)
     if dynamo_source is not None:
-        placeholder._dynamo_source = dynamo_source  # type: ignore[attr-defined]
+        _torch.set_dynamo_source(placeholder, dynamo_source)
     return placeholder
 
 
@@ -220,7 +219,7 @@ def split_graph(gm: fx.GraphModule, layout: GraphLayout, cuts: Sequence[int]) ->
         piece_gm = fx.GraphModule(attrs, graph, class_name=f"DDPSplitPiece{k}")
         built.append((piece_gm, in_slots, [slot[n] for n in outputs], call_grad))
 
-    leaves, spec = pytree.tree_flatten(output_node.args[0])
+    leaves, spec = _torch.pytree.tree_flatten(output_node.args[0])
     output_leaves = tuple(slot[x] if isinstance(x, fx.Node) else None for x in leaves)
     output_constants = tuple(None if isinstance(x, fx.Node) else x for x in leaves)
     returned = {s for s in output_leaves if s is not None}

@@ -81,7 +81,6 @@ class StateOp:
 
 
 def _known_targets() -> dict[object, StateOp]:
-    fp = _torch.predispatch
     known: dict[object, StateOp] = {
         _torch.set_grad_enabled: StateOp(StateKind.GRAD, StateAction.SET),
         _torch.set_fwd_grad_enabled: StateOp(StateKind.FWD_GRAD, StateAction.SET),
@@ -93,13 +92,8 @@ def _known_targets() -> dict[object, StateOp]:
         _torch.exit_dual_level: StateOp(StateKind.DUAL, StateAction.EXIT),
     }
     opaque_pairs = [
-        (fp._vmap_increment_nesting, fp._vmap_decrement_nesting),
-        (fp._jvp_increment_nesting, fp._jvp_decrement_nesting),
-        _torch.vmap_nesting,
-        _torch.grad_nesting,
-        _torch.jvp_nesting,
-        (_torch.record_function_enter, _torch.record_function_exit),
-        (_torch.record_function_enter.default, _torch.record_function_exit._RecordFunction),
+        *_torch.nesting_pairs,
+        *_torch.record_function_pairs,
     ]
     for enter, exit_ in opaque_pairs:
         known[enter] = StateOp(StateKind.OPAQUE, StateAction.ENTER)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,7 +29,7 @@ from .torchvision_cpu import define_torchvision_operators
 
 define_torchvision_operators()  # before transformers, timm or torchvision is imported
 
-__all__ = ["MODELS", "RealCase", "CASES", "run_real_cases"]
+__all__ = ["MODELS", "RealCase", "CASES", "RUN", "run_real_cases", "why_not_run"]
 
 VOCAB = 64
 SEQ = 16
@@ -134,6 +136,24 @@ class RealCase:
         return f"{self.model}-{self.inner}-{self.wrap}-{'bf16' if self.amp else 'fp32'}-{self.cap}"
 
 
+LIBRARY = {"gpt2": "transformers", "llama": "transformers", "bert": "transformers", "vit": "timm",
+           "resnet18": "torchvision"}
+"""The library each model is built from."""
+SELECT_ENV = "DDP_SPLIT_REAL_MODELS"
+"""Comma-separated model names to run (the torch matrix runs ``gpt2,llama``); unset: all."""
+
+
+def why_not_run(model: str) -> str | None:
+    """Why ``model`` is left out of this run (not selected, or its library missing), or None."""
+    selected = os.environ.get(SELECT_ENV)
+    if selected and model not in selected.split(","):
+        return f"{SELECT_ENV}={selected} leaves {model} out"
+    library = LIBRARY[model]
+    if importlib.util.find_spec(library) is None:
+        return f"{library} is not installed beside this torch (no release of it pairs with torch {torch.__version__})"
+    return None
+
+
 def _cases() -> list[RealCase]:
     """Per model: each inner backend once with each wrapping order, precision and cap."""
     cases = []
@@ -146,6 +166,8 @@ def _cases() -> list[RealCase]:
 
 
 CASES = _cases()
+RUN = [case for case in CASES if why_not_run(case.model) is None]
+"""The cases this run trains."""
 STEPS = 3
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from ddp_split_backend import DDPSplitBackend, SplitConfig
-from ddp_split_backend import Outcome
+from ddp_split_backend import Outcome, _torch
 from ddp_split_backend.guards import AutogradCheckpoint, GlobalState, attempt
 
 from .helpers import TINY, CountingCompiler, assert_grads_equal, leak_nested_inference_guards_and_raise, take_grads
@@ -54,12 +54,18 @@ MODELS = {
 WHERE = ("first", "middle", "last", "every")
 
 
-def _piece_count(make_model, x: torch.Tensor) -> int:
-    backend = DDPSplitBackend(SplitConfig(inner="aot_eager", **TINY))
-    torch.compile(make_model(), backend=backend)(x)
+def _pieces(make_model, x: torch.Tensor, options: dict = TINY) -> tuple[int, set[int]]:
+    """How many pieces the model splits into, and which of them AOTAutograd itself cannot
+    compile (they run eagerly)."""
+    backend = DDPSplitBackend(SplitConfig(inner="aot_eager", **options))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.compile(make_model(), backend=backend)(x)
     torch._dynamo.reset()
     assert len(backend.records) == 1
-    return len(backend.records[0].plan.buckets)
+    (record,) = backend.records
+    natural = {r.piece for r in record.pieces if r.outcome is Outcome.EAGER_FALLBACK}
+    return len(record.plan.buckets), natural
 
 
 def _fail_on(where: str, count: int) -> set:
@@ -71,10 +77,13 @@ def _fail_on(where: str, count: int) -> set:
 def test_inner_failure_falls_back_per_piece(model_name: str, where: str) -> None:
     make_model = MODELS[model_name]
     x = torch.randn(4, 16 if model_name == "mlp" else 8)
-    count = _piece_count(make_model, x)
+    count, natural = _pieces(make_model, x)
     assert count >= 3, f"{model_name}: want cuts at first/middle/last, got {count} pieces"
+    # Only inference_mode under autograd, on releases whose AOTAutograd cannot compile it.
+    assert not natural or (model_name == "inference" and not _torch.aot_compiles_inference_mode_under_autograd())
     fail_on = _fail_on(where, count)
-    failing_pieces = set(range(count)) if "all" in fail_on else fail_on
+    planned = set(range(count)) if "all" in fail_on else fail_on
+    failing_pieces = planned | natural
 
     torch.manual_seed(0)
     model = make_model()
@@ -95,7 +104,8 @@ def test_inner_failure_falls_back_per_piece(model_name: str, where: str) -> None
     assert len(messages) == len(failing_pieces), messages
     named = sorted(int(re.search(r"failed on piece (\d+) of", m).group(1)) for m in messages)
     assert named == sorted(failing_pieces)
-    assert all(f"of {count}" in m and "planned failure" in m for m in messages)
+    assert all(f"of {count}" in m for m in messages)
+    assert sum("planned failure" in m for m in messages) == len(planned)
     record = backend.records[-1]
     assert [r.piece for r in record.pieces if r.outcome is Outcome.EAGER_FALLBACK] == sorted(failing_pieces)
     assert sorted(f.piece for f in record.failures) == sorted(failing_pieces)
@@ -255,6 +265,9 @@ def test_inference_mode_compile_failure_falls_back_and_process_stays_usable(
     caps: str, nested: bool
 ) -> None:
     options = TINY if caps == "split" else {"bucket_cap_mb": 25}
+    _, natural = _pieces(lambda: DetachInputInInference(nested=nested), torch.randn(4, 8), options)
+    # The detach fails on every release; 2.11 and 2.12 fail on every inference_mode piece.
+    assert len(natural) == 1 or (len(natural) > 1 and not _torch.aot_compiles_inference_mode_under_autograd())
     counting = CountingCompiler()
     backend = DDPSplitBackend(SplitConfig(inner=counting, **options))
     torch.manual_seed(0)
@@ -274,9 +287,9 @@ def test_inference_mode_compile_failure_falls_back_and_process_stays_usable(
 
     messages = _failure_warnings(caught)
     record = backend.records[-1]
-    assert len(messages) == 1, messages
-    assert len(record.failures) == 1
-    assert [r.outcome for r in record.pieces].count(Outcome.EAGER_FALLBACK) == 1
+    assert len(messages) == len(natural), messages
+    assert len(record.failures) == len(natural)
+    assert {r.piece for r in record.pieces if r.outcome is Outcome.EAGER_FALLBACK} == natural
     if caps == "split":
         assert len(record.plan.buckets) >= 3, record.plan.table()
         still_compiled = [r for r in record.pieces if r.outcome is Outcome.COMPILED and r.backend == counting.__name__]

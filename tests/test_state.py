@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from ddp_split_backend import DDPSplitBackend, Outcome, SplitConfig
+from ddp_split_backend import DDPSplitBackend, Outcome, SplitConfig, _torch
 from ddp_split_backend.guards import GlobalState
 from ddp_split_backend.state import StateKind, classify
 
@@ -207,14 +207,19 @@ def test_regression_piece_starting_in_inference_mode_falls_back_when_aot_cannot_
     expected = model(x)
     expected.sum().backward()
     want = take_grads(model)
-    with pytest.warns(UserWarning, match="Inference tensors cannot be saved"):
+    # 2.13+: AOTAutograd compiles the piece, then its fake call fails; 2.11/2.12: AOTAutograd
+    # cannot compile inference_mode under autograd at all. Either way the piece runs eagerly.
+    why = "Inference tensors cannot be saved" if _torch.aot_compiles_inference_mode_under_autograd() else "UntypedStorage"
+    with pytest.warns(UserWarning, match=why):
         actual = torch.compile(model, backend=backend)(x)
     torch.testing.assert_close(actual, expected)
     actual.sum().backward()
     assert_grads_equal(model, want)
     record = backend.records[-1]
     assert len(record.plan.buckets) == 2
-    assert [r.outcome for r in record.pieces] == [Outcome.COMPILED, Outcome.EAGER_FALLBACK]
+    # 2.11/2.12: the first piece holds the inference_mode region too, and runs eagerly as well.
+    first = Outcome.COMPILED if _torch.aot_compiles_inference_mode_under_autograd() else Outcome.EAGER_FALLBACK
+    assert [r.outcome for r in record.pieces] == [first, Outcome.EAGER_FALLBACK]
 
 
 class EnableGradInsideNoGrad(nn.Module):
