@@ -47,17 +47,26 @@ def test_harness_returns_results_of_ranks_that_exit(tmp_path) -> None:
     assert run_ranks(_quick_worker, tmp_path, world=2, grace=3) == [0, 10]
 
 
-def test_backward_stashes_a_python_object_in_thread_local_state() -> None:
+STASH_BEHAVIOURS = {
+    (False, False): "2.11: no stash",
+    (True, True): "2.12: stashed during backward and left behind",
+    (True, False): "2.13+: stashed during backward, removed after",
+}
+
+
+def test_backward_thread_local_stash_is_one_the_teardown_note_knows() -> None:
     """The cause of Note [Teardown deadlock], checked on the installed torch: while backward
-    runs (when DDP launches its allreduces) a contextvars.Context sits in the C++
-    thread-local state every collective captures; it is gone once backward returns."""
+    runs (when DDP launches its allreduces) a contextvars.Context may sit in the C++
+    thread-local state every collective captures. Releases differ (see _torch.DIFFERENCES);
+    close_ddp is right for all three behaviours, and any other one needs a new look."""
     seen: list[bool] = []
     x = torch.ones(2, requires_grad=True)
     y = x * 2
     y.register_hook(lambda grad: seen.append(torch._C._is_key_in_tls("context")) or grad)
     y.sum().backward()
-    assert seen == [True]
-    assert not torch._C._is_key_in_tls("context")
+    assert len(seen) == 1
+    observed = (seen[0], torch._C._is_key_in_tls("context"))
+    assert observed in STASH_BEHAVIOURS, f"torch {torch.__version__}: during/after backward = {observed}"
 
 
 def test_close_ddp_releases_reducers_then_destroys_the_group(tmp_path) -> None:

@@ -17,6 +17,7 @@ first ``import torchvision``; it does nothing where the real extension has loade
 from __future__ import annotations
 
 import importlib.util
+import pathlib
 
 import torch
 
@@ -69,12 +70,25 @@ def _defined(name: str) -> bool:
     return True
 
 
+def _load_extension() -> bool:
+    """Load torchvision's own extension where it can load (beside a CUDA build of torch)."""
+    spec = importlib.util.find_spec("torchvision")
+    for folder in spec.submodule_search_locations or () if spec else ():
+        for library in pathlib.Path(folder).glob("_C*.so"):
+            try:
+                torch.ops.load_library(str(library))
+            except (OSError, RuntimeError):
+                return False
+            return True
+    return False
+
+
 def define_torchvision_operators() -> None:
     """Declare torchvision's operator schemas unless its extension already did (idempotent)."""
     global _library
     if _library is not None or importlib.util.find_spec("torchvision") is None:
         return
-    if _defined("torchvision::nms"):
+    if _defined("torchvision::nms") or _load_extension():
         return  # the real extension is loaded
     _library = torch.library.Library("torchvision", "DEF")
     for schema in _SCHEMAS:
