@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from .reuse import fresh_outputs, reusable_outputs, structure_key
 from .split import SplitGraph
 from .timing import StageTimes
 
-__all__ = ["CompiledPieces", "Outcome", "PieceRecord", "compile_pieces", "compile_whole", "copy_module"]
+__all__ = ["CompiledPieces", "Failure", "Outcome", "PieceRecord", "compile_pieces", "compile_whole", "copy_module"]
 
 CompilerFn = Callable[[fx.GraphModule, list[Any]], Callable[..., Any]]
 
@@ -43,6 +44,29 @@ class Outcome(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class Failure:
+    """An exception as people read it. Records outlive compiles (``DDPSplitBackend.records``
+    keeps the last 256 graphs), so they keep text only: an exception's traceback holds its
+    frames, and their locals hold the piece's graph, its tensors and Dynamo's real inputs."""
+
+    exc_type: str
+    """The exception's class, qualified (``RuntimeError``, ``torch._dynamo.exc.Unsupported``)."""
+    message: str
+    """``str(exception)``."""
+    traceback: str
+    """The exception formatted as Python prints it: traceback, chained causes and notes."""
+
+    @classmethod
+    def of(cls, error: BaseException) -> Failure:
+        kind = type(error)
+        name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+        return cls(name, str(error), "".join(traceback.format_exception(error)))
+
+    def __str__(self) -> str:
+        return f"{self.exc_type}: {self.message}"
+
+
+@dataclass(frozen=True, slots=True)
 class PieceRecord:
     """What the compile stage did with one piece."""
 
@@ -52,9 +76,9 @@ class PieceRecord:
     """The inner backend's name."""
     shared_with: int | None = None
     """For :attr:`Outcome.SHARED`: the piece whose compiled function this one runs."""
-    error: BaseException | None = None
+    error: Failure | None = None
     """For :attr:`Outcome.EAGER_FALLBACK`: what the inner backend (or the compiled piece's
-    first, fake call) raised, with its traceback."""
+    first, fake call) raised, as text (see :class:`Failure`)."""
 
     def describe(self) -> str:
         """``inductor``, ``inductor (same as piece 3)`` or ``eager (fallback)``."""
@@ -198,7 +222,7 @@ def _compile_unit(
         fn, record = result.value, PieceRecord(index, Outcome.COMPILED, inner.name)
     else:
         fn = _fallback(pristine, index, count, inner, result.error)
-        record = PieceRecord(index, Outcome.EAGER_FALLBACK, inner.name, error=result.error)
+        record = PieceRecord(index, Outcome.EAGER_FALLBACK, inner.name, error=Failure.of(result.error))
         used_aot = False
     if outputs is None and fake_mode is not None:
         with times.measure("fake_run"):
