@@ -10,6 +10,7 @@ version, and ``tests/test_torch_internals.py`` lists them all. Public names (``t
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 from collections.abc import Callable
@@ -246,10 +247,7 @@ CompileContext = _resolve("torch._guards.CompileContext", "Dynamo's compile id f
 detect_fake_mode = _resolve("torch._guards.detect_fake_mode", "the fake mode Dynamo traced with")
 FakeTensor = _resolve("torch._subclasses.fake_tensor.FakeTensor", "tells fake example values from real ones")
 FakeTensorMode = _resolve("torch._subclasses.fake_tensor.FakeTensorMode", "runs pieces on fake inputs")
-DDPOptimizerContext = _resolve(
-    "torch._dynamo.backends.distributed.DDPOptimizerContext",
-    "the per-piece fw_metadata stack AOTAutograd pops when it compiles backward lazily",
-)
+tracing = _resolve("torch._guards.tracing", "installs a piece's own tracing context while it compiles")
 lookup_backend = _resolve("torch._dynamo.backends.registry.lookup_backend", "inner backend by name")
 list_backends = _resolve("torch._dynamo.list_backends", "valid inner backend names")
 dynamo_config = _resolve("torch._dynamo.config", "optimize_ddp, switched off by own_split()")
@@ -280,12 +278,29 @@ def aot_fw_metadata(context: Any) -> Any:
     return context.fw_metadata
 
 
-def push_backward_metadata(context: Any, metadata: list[Any]) -> None:
-    """Give AOTAutograd the metadata it pops (last first) when it compiles each backward."""
-    ddp_ctx = DDPOptimizerContext()
-    ddp_ctx.metadata_per_bucket = list(metadata)
-    ddp_ctx.curr_bucket = len(metadata) - 1
-    context.ddp_optimizer_ctx = ddp_ctx
+def piece_tracing_context(context: Any) -> Any:
+    """A tracing context for one piece of the frame's graph (Note [Backward metadata per piece]).
+
+    It shares everything of the frame's ``context`` (guards, fake mode, parameters, ...) but
+    its forward metadata and DDPOptimizer stack: AOTAutograd keeps the context current at a
+    compile for that compile's lazy backward, which reads ``fw_metadata`` from it (and pops
+    the DDPOptimizer stack instead where there is one)."""
+    piece = copy.copy(context)
+    piece.fw_metadata = None
+    piece.ddp_optimizer_ctx = None
+    piece.aot_graph_name = None
+    return piece
+
+
+def aot_metadata_counts(metadata: Any) -> tuple[int, int]:
+    """How many inputs and user outputs AOTAutograd's forward metadata describes."""
+    return len(metadata.input_info), len(metadata.output_info)
+
+
+def backward_reads_own_metadata(context: Any) -> bool:
+    """Whether a lazy backward compiled under ``context`` reads ``context.fw_metadata``
+    (no DDPOptimizer stack to pop instead)."""
+    return getattr(context, "ddp_optimizer_ctx", None) is None
 
 
 def is_ddp_optimizer_piece(gm: fx.GraphModule) -> bool:

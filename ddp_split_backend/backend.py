@@ -43,8 +43,6 @@ class CompileRecord:
 
     plan: SplitPlan
     pieces: tuple[PieceRecord, ...]
-    backward_order: tuple[int, ...] = ()
-    """Pieces whose AOT forward metadata waits for their backward compile, in push order."""
     times: StageTimes = field(default_factory=StageTimes)
     """Seconds spent in each stage of this graph's compile (plan, split, inner, ...)."""
 
@@ -198,7 +196,7 @@ class DDPSplitBackend:
         times: StageTimes,
     ) -> Callable[..., Any]:
         """Record and log what was done; wrap the callables for run time."""
-        record = CompileRecord(plan, compiled.records, compiled.backward_order, times)
+        record = CompileRecord(plan, compiled.records, times)
         self.records.append(record)
         log_compiled(plan, split, record.compiled_by, times)
         if split is not None:
