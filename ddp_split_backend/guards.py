@@ -12,6 +12,7 @@ failure as data) and the tracking of regions entered by pieces that run as Pytho
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import threading
 from collections.abc import Callable, Iterator
@@ -26,9 +27,11 @@ from . import _torch
 __all__ = [
     "AutogradCheckpoint",
     "Attempt",
+    "CallState",
     "GlobalState",
     "attempt",
     "call_inner",
+    "capture_call",
     "dual_level_open",
     "preserve_global_state",
     "track_if_own_code",
@@ -79,6 +82,15 @@ class GlobalState:
             tracked_depth=len(_open_stack()),
         )
 
+    def with_call(self, call: CallState) -> GlobalState:
+        """This state (captured at a graph's first call) with what can differ between its
+        calls taken from ``call``."""
+        grad, fwd_grad, depth, include, exclude = call
+        return dataclasses.replace(
+            self, grad=grad, fwd_grad=fwd_grad, tracked_depth=depth,
+            dispatch_include=include, dispatch_exclude=exclude,
+        )
+
     def restore(self) -> None:
         """Set the state back. Regions entered since the capture by pieces run as Python
         (inference mode, dual levels, autocast) are exited first, innermost first (see
@@ -96,6 +108,22 @@ class GlobalState:
         _torch.set_multithreading_enabled(self.multithreading)
         _torch.set_view_replay_enabled(self.view_replay)
         _restore_dispatch_keys(self.dispatch_include, self.dispatch_exclude)
+
+
+CallState = tuple[bool, bool, int, Any, Any]
+"""What a compiled graph captures on each call, to restore if it raises: grad mode,
+forward-grad mode, tracked depth and dispatch keys. The rest of :class:`GlobalState`
+(inference mode, autocast and its cache) is guarded by Dynamo, so a graph runs only under
+the values of its first call (see ``runtime.py``); multithreading and view replay only
+inference-mode guards change."""
+
+
+def capture_call() -> CallState:
+    """The :data:`CallState` now."""
+    return (
+        torch.is_grad_enabled(), _torch.is_fwd_grad_enabled(), len(_open_stack()),
+        _torch.dispatch_include_set(), _torch.dispatch_exclude_set(),
+    )
 
 
 def _set_inference_mode(enabled: bool) -> None:
