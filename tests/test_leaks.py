@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.fx as fx
 
-from ddp_split_backend import DDPSplitBackend, Outcome, SplitConfig
+from ddp_split_backend import CompileRecord, DDPSplitBackend, Outcome, SplitConfig
 
 from .helpers import TINY
 from .models import MLP
@@ -35,15 +35,18 @@ class FailOn:
         return torch._dynamo.backends.registry.lookup_backend("aot_eager")(gm, example_inputs)
 
 
-def _compile_and_drop(backend: DDPSplitBackend) -> list[weakref.ref]:
+def _compile_and_drop(backend: DDPSplitBackend) -> tuple[list[weakref.ref], CompileRecord]:
+    """The model's parameters, weakly, and the graph's record, kept past the reset (which
+    clears ``backend.records``) as a user keeping it for diagnostics would."""
     model = MLP(width=16, depth=4)
     refs = [weakref.ref(p) for p in model.parameters()]
     compiled = torch.compile(model, backend=backend)
     compiled(torch.randn(2, 16)).sum().backward()
+    (record,) = backend.records
     del model, compiled
     torch._dynamo.reset()
     gc.collect()
-    return refs
+    return refs, record
 
 
 @pytest.mark.parametrize("fail", [False, True], ids=["compiled", "failed"])
@@ -52,8 +55,7 @@ def test_parameters_die_with_the_model(fail: bool, whole: bool) -> None:
     caps = {"bucket_cap_mb": 100.0} if whole else TINY
     backend = DDPSplitBackend(SplitConfig(inner=FailOn(frozenset({0} if fail else ())), **caps))
     with pytest.warns(UserWarning, match="failed on piece") if fail else _no_warning():
-        refs = _compile_and_drop(backend)
-    (record,) = backend.records
+        refs, record = _compile_and_drop(backend)
     assert len(record.pieces) == (1 if whole else 4)
     assert (record.pieces[0].outcome is Outcome.EAGER_FALLBACK) == fail
     alive = [r() for r in refs if r() is not None]
