@@ -192,6 +192,11 @@ class _Reusable:
     outputs: tuple[Any, ...]
 
 
+_USER_CODE_LEVEL = 5
+"""The warning's ``stacklevel``: past _fallback, _compile_unit, compile_pieces (or
+compile_whole) and DDPSplitBackend.__call__, to the Dynamo frame that called the backend."""
+
+
 def _fallback(gm: fx.GraphModule, index: int, count: int, inner: InnerCompile, error: BaseException) -> Callable[..., Any]:
     """The inner backend's failure on piece ``index``: raise it, or run the piece eagerly."""
     where = f"piece {index} of {count} ({len(gm.graph.nodes)} nodes)"
@@ -201,7 +206,7 @@ def _fallback(gm: fx.GraphModule, index: int, count: int, inner: InnerCompile, e
     warnings.warn(
         f"ddp_split: inner backend {inner.name!r} failed on {where}; running it eagerly. "
         f"Error: {f'{type(error).__name__}: {error}'[:2000]}",
-        stacklevel=5,
+        stacklevel=_USER_CODE_LEVEL,
     )
     return track_state_calls(gm)
 

@@ -3,7 +3,7 @@
 Example::
 
     >>> SplitConfig.from_options({"inner": "aot_eager", "bucket_cap_mb": 8})
-    SplitConfig(inner='aot_eager', bucket_cap_mb=8, first_bucket_cap_mb=None)
+    SplitConfig(inner='aot_eager', bucket_cap_mb=8, first_bucket_cap_mb=None, min_piece_mb=None, reuse_identical_pieces=None, mode=None, inner_options=None, on_inner_failure='eager')
 """
 
 from __future__ import annotations

@@ -253,3 +253,12 @@ def test_each_backward_compile_sees_its_own_pieces_metadata() -> None:
     names = {id(m): piece for piece, m in zip(compiled, witness.forward, strict=True)}
     reached = [p for p in (4, 3, 2, 0) if p in compiled]
     assert [names.get(id(m), "other") for m in witness.backward] == reached
+
+
+def test_the_doors_all_names_every_public_name_it_defines() -> None:
+    tree = ast.parse((pathlib.Path(_torch.__file__)).read_text())
+    defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        defined |= {t.id for t in targets if isinstance(t, ast.Name)}
+    assert sorted(_torch.__all__) == sorted(n for n in defined if not n.startswith("_"))
