@@ -7,7 +7,7 @@ backend, so DDP can launch each gradient bucket's allreduce while backward is st
 from __future__ import annotations
 
 from .backend import CompileRecord, DDPSplitBackend, ddp_split, plan_split
-from .compile import Outcome, PieceRecord
+from .compile import Failure, Outcome, PieceRecord
 from .config import SplitConfig, SplitConfigError
 from .ddp_mode import own_split
 from .explain import ExplainResult, explain
@@ -21,6 +21,7 @@ __all__ = [
     "CompileRecord",
     "DDPSplitBackend",
     "ExplainResult",
+    "Failure",
     "Outcome",
     "PieceRecord",
     "SplitConfig",

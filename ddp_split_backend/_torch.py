@@ -4,12 +4,14 @@ ddp_split works on Dynamo graphs, AOTAutograd's tracing context and DDP's reduce
 have no public API. Each private name is resolved here, once, at import, with a line saying
 what it is for; the rest of the package uses only this module. When a torch release moves
 or removes one, importing ddp_split fails with one message naming the symbol and the torch
-version, and ``tests/test_torch_internals.py`` lists them all. Public names (``torch.fx``,
+version, and ``PRIVATE_NAMES`` lists them all (checked by ``tests/test_compile_stage.py``,
+which also scans the package for private names used outside this module). Public names (``torch.fx``,
 ``torch.is_grad_enabled``, ...) are used directly elsewhere.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 from collections.abc import Callable
@@ -19,16 +21,80 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-__all__ = [
+__all__ = [  # every name the package uses (tests/test_compile_stage.py checks the list)
+    "CompileContext",
+    "DDP_OPTIMIZER_MARK",
     "DIFFERENCES",
+    "DispatchKey",
+    "FakeTensor",
+    "FakeTensorMode",
+    "InferenceModeGuard",
+    "OpOverload",
+    "OpOverloadPacket",
     "PRIVATE_NAMES",
-    "SUPPORTED",
     "PrivateName",
     "ReleaseDifference",
+    "SUPPORTED",
     "TorchInternalsError",
+    "TracingContext",
     "UnsupportedTorchError",
+    "active_ddp_module",
     "aot_compiles_inference_mode_under_autograd",
+    "aot_fw_metadata",
+    "aot_metadata_counts",
+    "backward_reads_own_metadata",
+    "c_enter_dual_level",
+    "c_exit_dual_level",
     "check_release",
+    "compiled_original",
+    "ddp_first_bucket_bytes",
+    "ddp_ignored",
+    "default_first_bucket_bytes",
+    "detect_fake_mode",
+    "dispatch_exclude_set",
+    "dispatch_include_set",
+    "dispatch_key_excluded",
+    "dispatch_key_included",
+    "dual_makers",
+    "dual_unpackers",
+    "dynamo_config",
+    "dynamo_optimize",
+    "dynamo_source",
+    "enter_autocast",
+    "enter_dual_level",
+    "enter_inference_mode",
+    "exit_autocast",
+    "exit_dual_level",
+    "exit_inference_mode",
+    "free_unbacked_symbols",
+    "grapharg",
+    "inductor_config",
+    "inductor_list_options",
+    "inductor_mode_options",
+    "is_ddp_optimizer_piece",
+    "is_fwd_grad_enabled",
+    "is_multithreading_enabled",
+    "is_view_replay_enabled",
+    "list_backends",
+    "lookup_backend",
+    "nesting_pairs",
+    "piece_tracing_context",
+    "pytree",
+    "record_function_enter",
+    "record_function_exit",
+    "record_function_pairs",
+    "set_dispatch_key_excluded",
+    "set_dispatch_key_included",
+    "set_dynamo_source",
+    "set_fakify_first_call",
+    "set_fwd_grad_enabled",
+    "set_grad_enabled",
+    "set_inplace_requires_grad_allowed",
+    "set_multithreading_enabled",
+    "set_view_replay_enabled",
+    "storage_id",
+    "trace_structured",
+    "tracing",
 ]
 
 SUPPORTED = "torch>=2.11,<2.16"
@@ -246,10 +312,7 @@ CompileContext = _resolve("torch._guards.CompileContext", "Dynamo's compile id f
 detect_fake_mode = _resolve("torch._guards.detect_fake_mode", "the fake mode Dynamo traced with")
 FakeTensor = _resolve("torch._subclasses.fake_tensor.FakeTensor", "tells fake example values from real ones")
 FakeTensorMode = _resolve("torch._subclasses.fake_tensor.FakeTensorMode", "runs pieces on fake inputs")
-DDPOptimizerContext = _resolve(
-    "torch._dynamo.backends.distributed.DDPOptimizerContext",
-    "the per-piece fw_metadata stack AOTAutograd pops when it compiles backward lazily",
-)
+tracing = _resolve("torch._guards.tracing", "installs a piece's own tracing context while it compiles")
 lookup_backend = _resolve("torch._dynamo.backends.registry.lookup_backend", "inner backend by name")
 list_backends = _resolve("torch._dynamo.list_backends", "valid inner backend names")
 dynamo_config = _resolve("torch._dynamo.config", "optimize_ddp, switched off by own_split()")
@@ -280,12 +343,29 @@ def aot_fw_metadata(context: Any) -> Any:
     return context.fw_metadata
 
 
-def push_backward_metadata(context: Any, metadata: list[Any]) -> None:
-    """Give AOTAutograd the metadata it pops (last first) when it compiles each backward."""
-    ddp_ctx = DDPOptimizerContext()
-    ddp_ctx.metadata_per_bucket = list(metadata)
-    ddp_ctx.curr_bucket = len(metadata) - 1
-    context.ddp_optimizer_ctx = ddp_ctx
+def piece_tracing_context(context: Any) -> Any:
+    """A tracing context for one piece of the frame's graph (Note [Backward metadata per piece]).
+
+    It shares everything of the frame's ``context`` (guards, fake mode, parameters, ...) but
+    its forward metadata and DDPOptimizer stack: AOTAutograd keeps the context current at a
+    compile for that compile's lazy backward, which reads ``fw_metadata`` from it (and pops
+    the DDPOptimizer stack instead where there is one)."""
+    piece = copy.copy(context)
+    piece.fw_metadata = None
+    piece.ddp_optimizer_ctx = None
+    piece.aot_graph_name = None
+    return piece
+
+
+def aot_metadata_counts(metadata: Any) -> tuple[int, int]:
+    """How many inputs and user outputs AOTAutograd's forward metadata describes."""
+    return len(metadata.input_info), len(metadata.output_info)
+
+
+def backward_reads_own_metadata(context: Any) -> bool:
+    """Whether a lazy backward compiled under ``context`` reads ``context.fw_metadata``
+    (no DDPOptimizer stack to pop instead)."""
+    return getattr(context, "ddp_optimizer_ctx", None) is None
 
 
 def is_ddp_optimizer_piece(gm: fx.GraphModule) -> bool:

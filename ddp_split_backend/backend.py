@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from . import _torch
-from .compile import CompiledPieces, Outcome, PieceRecord, compile_pieces, compile_whole
+from .compile import CompiledPieces, InnerCompile, Outcome, PieceRecord, compile_pieces, compile_whole
 from .config import BACKEND_NAME, SplitConfig
 from .diagnostics import log_compiled
 from .inner import inner_compile
@@ -43,8 +43,6 @@ class CompileRecord:
 
     plan: SplitPlan
     pieces: tuple[PieceRecord, ...]
-    backward_order: tuple[int, ...] = ()
-    """Pieces whose AOT forward metadata waits for their backward compile, in push order."""
     times: StageTimes = field(default_factory=StageTimes)
     """Seconds spent in each stage of this graph's compile (plan, split, inner, ...)."""
 
@@ -155,6 +153,8 @@ class DDPSplitBackend:
         self._warned_ddp_optimizer = False
         self._graph_count = itertools.count()
         """Graphs compiled so far (``records`` keeps only the last ``keep_records``)."""
+        self._configs: dict[str, tuple[SplitConfig, InnerCompile]] = {}
+        """Validated configs and their inner backends, by options (see :meth:`_configured`)."""
 
     @property
     def plans(self) -> list[SplitPlan]:
@@ -168,10 +168,7 @@ class DDPSplitBackend:
         options: Mapping[str, Any] | None = None,
         mode: str | None = None,
     ) -> Callable[..., Any]:
-        config = self.config if options is None else SplitConfig.from_options(options)
-        if mode is not None:  # torch.compile(mode=...): inductor's mode for every piece
-            config = dataclasses.replace(config, mode=mode)
-        inner = inner_compile(config)
+        config, inner = self._configured(options, mode)
         graph_name = _graph_name(next(self._graph_count))
         times = StageTimes()
 
@@ -189,6 +186,29 @@ class DDPSplitBackend:
         compiled = compile_pieces(split, example_inputs, inner, times, reuse=config.reuse)
         return self._finish(plan, split, gm, compiled, times)
 
+    def _configured(self, options: Mapping[str, Any] | None, mode: str | None) -> tuple[SplitConfig, InnerCompile]:
+        """The config for ``options`` overlaid on :attr:`config`, and its inner backend:
+        validated once per distinct options (graphs and recompiles pass the same ones)."""
+        key = repr((self.config, sorted((k, repr(v)) for k, v in (options or {}).items()), mode))
+        found = self._configs.get(key)
+        if found is None:
+            config = SplitConfig.from_options(options, base=self.config)
+            if mode is not None:  # torch.compile(mode=...): inductor's mode for every piece
+                config = dataclasses.replace(config, mode=mode)
+            found = self._configs[key] = (config, inner_compile(config))
+        return found
+
+    def reset(self) -> None:
+        """Forget the records, the graph count, the one-shot warning and the validated options.
+
+        ``torch._dynamo.reset()`` calls this for every backend Dynamo has compiled with since
+        the last reset (it calls ``reset()`` on each one it cached), so a reset starts the
+        backend as a fresh process would."""
+        self.records.clear()
+        self._graph_count = itertools.count()
+        self._warned_ddp_optimizer = False
+        self._configs.clear()
+
     def _finish(
         self,
         plan: SplitPlan,
@@ -198,7 +218,7 @@ class DDPSplitBackend:
         times: StageTimes,
     ) -> Callable[..., Any]:
         """Record and log what was done; wrap the callables for run time."""
-        record = CompileRecord(plan, compiled.records, compiled.backward_order, times)
+        record = CompileRecord(plan, compiled.records, times)
         self.records.append(record)
         log_compiled(plan, split, record.compiled_by, times)
         if split is not None:

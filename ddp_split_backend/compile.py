@@ -6,12 +6,29 @@ output strides that differ from eager's; with ``fakify_first_call`` the AOTAutog
 returns outputs with the strides the compiled code really produces). A piece the inner
 backend cannot compile runs eagerly (``on_inner_failure="eager"``) or its error propagates
 (``"raise"``). Every compile says what happened in a :class:`PieceRecord`.
+
+Note [Backward metadata per piece]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+AOTAutograd compiles a graph's backward lazily, at its first backward call, under the
+tracing context that was current when the forward was compiled, and the backward compile
+(inductor's buffer donation, CUDA-graph static inputs) reads the forward metadata from
+that context's ``fw_metadata``. Dynamo gives a frame one context; compiled in it, every
+piece would overwrite the one before. torch's DDPOptimizer keeps the metadata on a stack
+popped last first, which assumes backward reaches every piece, in reverse order: a loss made
+from some outputs only (an auxiliary head, ``autograd.grad`` with respect to a subset, a
+first backward reaching fewer pieces than a later one) hands a piece another's metadata.
+ddp_split compiles each AOT piece under its own copy of the frame's context
+(``_torch.piece_tracing_context``: shared guards and fake mode, its own ``fw_metadata``), so
+a piece's backward finds its own metadata whichever backward runs first, or never. Whether
+AOTAutograd ran is whether the piece's own context received metadata, and the metadata is
+checked to describe the piece (its inputs and outputs) before the piece is used.
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
+import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -26,7 +43,7 @@ from .reuse import fresh_outputs, reusable_outputs, structure_key
 from .split import SplitGraph
 from .timing import StageTimes
 
-__all__ = ["CompiledPieces", "Outcome", "PieceRecord", "compile_pieces", "compile_whole", "copy_module"]
+__all__ = ["CompiledPieces", "Failure", "MetadataMismatchError", "Outcome", "PieceRecord", "compile_pieces", "compile_whole", "copy_module"]
 
 CompilerFn = Callable[[fx.GraphModule, list[Any]], Callable[..., Any]]
 
@@ -43,6 +60,29 @@ class Outcome(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class Failure:
+    """An exception as people read it. Records outlive compiles (``DDPSplitBackend.records``
+    keeps the last 256 graphs), so they keep text only: an exception's traceback holds its
+    frames, and their locals hold the piece's graph, its tensors and Dynamo's real inputs."""
+
+    exc_type: str
+    """The exception's class, qualified (``RuntimeError``, ``torch._dynamo.exc.Unsupported``)."""
+    message: str
+    """``str(exception)``."""
+    traceback: str
+    """The exception formatted as Python prints it: traceback, chained causes and notes."""
+
+    @classmethod
+    def of(cls, error: BaseException) -> Failure:
+        kind = type(error)
+        name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+        return cls(name, str(error), "".join(traceback.format_exception(error)))
+
+    def __str__(self) -> str:
+        return f"{self.exc_type}: {self.message}"
+
+
+@dataclass(frozen=True, slots=True)
 class PieceRecord:
     """What the compile stage did with one piece."""
 
@@ -52,9 +92,9 @@ class PieceRecord:
     """The inner backend's name."""
     shared_with: int | None = None
     """For :attr:`Outcome.SHARED`: the piece whose compiled function this one runs."""
-    error: BaseException | None = None
+    error: Failure | None = None
     """For :attr:`Outcome.EAGER_FALLBACK`: what the inner backend (or the compiled piece's
-    first, fake call) raised, with its traceback."""
+    first, fake call) raised, as text (see :class:`Failure`)."""
 
     def describe(self) -> str:
         """``inductor``, ``inductor (same as piece 3)`` or ``eager (fallback)``."""
@@ -69,9 +109,11 @@ class PieceRecord:
 class CompiledPieces:
     callables: tuple[Callable[..., Any], ...]
     records: tuple[PieceRecord, ...]
-    backward_order: tuple[int, ...] = ()
-    """Pieces whose AOT forward metadata waits for their backward compile, in the order
-    pushed (AOTAutograd pops the last first, as backward reaches the pieces)."""
+
+
+class MetadataMismatchError(RuntimeError):
+    """AOTAutograd's forward metadata for a piece does not describe that piece; its backward
+    would be compiled with another graph's metadata (Note [Backward metadata per piece])."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,8 +183,6 @@ class _Compiled:
     record: PieceRecord
     outputs: list[Any] | None
     """Fake outputs (``None`` when no later piece needs them)."""
-    metadata: Any
-    """AOTAutograd's forward metadata when the inner backend used AOTAutograd."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +190,11 @@ class _Reusable:
     piece: int
     fn: Callable[..., Any]
     outputs: tuple[Any, ...]
+
+
+_USER_CODE_LEVEL = 5
+"""The warning's ``stacklevel``: past _fallback, _compile_unit, compile_pieces (or
+compile_whole) and DDPSplitBackend.__call__, to the Dynamo frame that called the backend."""
 
 
 def _fallback(gm: fx.GraphModule, index: int, count: int, inner: InnerCompile, error: BaseException) -> Callable[..., Any]:
@@ -161,7 +206,7 @@ def _fallback(gm: fx.GraphModule, index: int, count: int, inner: InnerCompile, e
     warnings.warn(
         f"ddp_split: inner backend {inner.name!r} failed on {where}; running it eagerly. "
         f"Error: {f'{type(error).__name__}: {error}'[:2000]}",
-        stacklevel=5,
+        stacklevel=_USER_CODE_LEVEL,
     )
     return track_state_calls(gm)
 
@@ -178,33 +223,52 @@ def _compile_unit(
     times: StageTimes,
 ) -> _Compiled:
     """Compile one graph with the inner backend. With ``fake_mode`` (a piece whose outputs
-    feed later pieces) its compiled code also runs once on fake inputs."""
+    feed later pieces) its compiled code also runs once on fake inputs. ``context``: the
+    piece's own tracing context, current while it compiles (Note [Backward metadata per
+    piece]), or ``None``."""
     with times.measure("copy"):
         pristine = copy_module(gm)
-    metadata_before = _torch.aot_fw_metadata(context) if context is not None else None
-    with times.measure("inner"):
-        result: Attempt = call_inner(inner.fn, gm, list(args))
-    used_aot = result.ok and context is not None and _torch.aot_fw_metadata(context) is not metadata_before
-    outputs = None
-    if used_aot and fake_mode is not None:
-        # The compiled piece's first call on fake inputs gives its real output metadata.
-        # It can still fail where compiling did not (AOTAutograd saving an inference
-        # tensor for backward in a piece that starts inside inference_mode, say).
-        with times.measure("fake_run"):
-            run = attempt(_run_on_fakes, result.value, args, fake_mode)
-        result = Attempt(result.value) if run.ok else run
-        outputs = run.value
+    with _torch.tracing(context) if context is not None else contextlib.nullcontext(), _fakify_first_call(context):
+        with times.measure("inner"):
+            result: Attempt = call_inner(inner.fn, gm, list(args))
+        used_aot = result.ok and context is not None and _torch.aot_fw_metadata(context) is not None
+        outputs = None
+        if used_aot and fake_mode is not None:
+            # The compiled piece's first call on fake inputs gives its real output metadata.
+            # It can still fail where compiling did not (AOTAutograd saving an inference
+            # tensor for backward in a piece that starts inside inference_mode, say).
+            with times.measure("fake_run"):
+                run = attempt(_run_on_fakes, result.value, args, fake_mode)
+            result = Attempt(result.value) if run.ok else run
+            outputs = run.value
     if result.ok:
         fn, record = result.value, PieceRecord(index, Outcome.COMPILED, inner.name)
     else:
         fn = _fallback(pristine, index, count, inner, result.error)
-        record = PieceRecord(index, Outcome.EAGER_FALLBACK, inner.name, error=result.error)
+        record = PieceRecord(index, Outcome.EAGER_FALLBACK, inner.name, error=Failure.of(result.error))
         used_aot = False
     if outputs is None and fake_mode is not None:
         with times.measure("fake_run"):
             outputs = _run_on_fakes(pristine, args, fake_mode)
-    metadata = _torch.aot_fw_metadata(context) if used_aot else None
-    return _Compiled(fn, record, outputs, metadata)
+    if used_aot:
+        _check_metadata(context, gm, index, count)
+    return _Compiled(fn, record, outputs)
+
+
+def _check_metadata(context: Any, gm: fx.GraphModule, index: int, count: int) -> None:
+    """The forward metadata the piece's backward compile will read describes this piece."""
+    inputs = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
+    (output,) = (n for n in gm.graph.nodes if n.op == "output")
+    outputs = len(_torch.pytree.tree_leaves(output.args[0]))
+    metadata = _torch.aot_fw_metadata(context)
+    found = _torch.aot_metadata_counts(metadata)
+    if found != (inputs, outputs) or not _torch.backward_reads_own_metadata(context):
+        raise MetadataMismatchError(
+            f"ddp_split: piece {index} of {count} has {inputs} inputs and {outputs} outputs, but the "
+            f"forward metadata its backward compile would read describes {found[0]} inputs and "
+            f"{found[1]} outputs (or is taken from a DDPOptimizer stack); see Note [Backward "
+            "metadata per piece] in ddp_split_backend/compile.py"
+        )
 
 
 def _run_on_fakes(fn: Callable[..., Any], args: Sequence[Any], fake_mode: Any) -> list[Any]:
@@ -220,29 +284,6 @@ def compile_whole(
         gm, list(example_inputs), inner, index=0, count=1, context=None, fake_mode=None, times=times
     )
     return CompiledPieces((unit.fn,), (unit.record,))
-
-
-def _requires_grad(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.requires_grad
-
-
-def _pieces_with_backward(split: SplitGraph, flows: dict[int, tuple[int, ...]], aot: set[int]) -> list[int]:
-    """AOT-compiled pieces whose backward will run, in forward order.
-
-    ``flows``: piece -> slots of its inputs that require grad, for every piece that records
-    autograd (called with grad mode on, some output requiring grad), however it is compiled
-    (an eagerly run piece passes gradients on too). ``aot``: pieces compiled by AOTAutograd.
-    Backward reaches a piece only if one of its outputs is a graph output or feeds a later
-    piece that backward reaches."""
-    needed = {s for s in split.output_leaves if s is not None}
-    running: list[int] = []
-    for piece in reversed(split.pieces):
-        grad_inputs = flows.get(piece.index)
-        if grad_inputs and any(s in needed for s in piece.outputs):
-            needed.update(grad_inputs)
-            if piece.index in aot:
-                running.append(piece.index)
-    return running[::-1]
 
 
 def compile_pieces(
@@ -280,8 +321,6 @@ def compile_pieces(
     callables: list[Callable[..., Any]] = []
     records: list[PieceRecord] = []
     reusable: dict[tuple, _Reusable] = {}
-    metadata: dict[int, Any] = {}  # id(fn) -> AOT forward metadata of its compile
-    flows: dict[int, tuple[int, ...]] = {}
     count = len(split.pieces)
     for piece in split.pieces:
         args = [values[s] for s in piece.inputs]
@@ -294,33 +333,17 @@ def compile_pieces(
             records.append(PieceRecord(piece.index, Outcome.SHARED, inner.name, shared_with=hit.piece))
         else:
             _set_example_values(piece.gm, args)
-            with _fakify_first_call(context), torch.set_grad_enabled(piece.grad):
+            own_context = _torch.piece_tracing_context(context) if context is not None else None
+            with torch.set_grad_enabled(piece.grad):
                 unit = _compile_unit(
-                    piece.gm, args, inner, index=piece.index, count=count, context=context,
+                    piece.gm, args, inner, index=piece.index, count=count, context=own_context,
                     fake_mode=fake_mode, times=times,
                 )
             outputs = unit.outputs
             callables.append(unit.fn)
             records.append(unit.record)
-            if unit.metadata is not None:
-                metadata[id(unit.fn)] = unit.metadata
             if key is not None and unit.record.outcome is Outcome.COMPILED and reusable_outputs(outputs):
                 reusable[key] = _Reusable(piece.index, unit.fn, tuple(outputs))
-        if piece.grad and any(map(_requires_grad, outputs)):
-            flows[piece.index] = tuple(s for s, a in zip(piece.inputs, args) if _requires_grad(a))
         for s, value in zip(piece.outputs, outputs):
             values[s] = value
-    # A function's backward is compiled on its first backward call: at the last piece (in
-    # forward order) that uses it and whose backward runs.
-    last_use: dict[int, int] = {}  # id(fn) -> piece
-    aot = {p.index for p, fn in zip(split.pieces, callables) if id(fn) in metadata}
-    for index in _pieces_with_backward(split, flows, aot):
-        last_use[id(callables[index])] = index
-    order = sorted(last_use.values())
-    if context is not None:
-        # AOTAutograd compiles backward lazily, latest piece first, popping this stack; a
-        # shared function's backward is compiled at its last use (Note [DDPOptimizer and
-        # fw_metadata] in torch's runtime_wrappers.py explains the stack). Only pieces that
-        # will have a backward are pushed, so each backward compile pops its own metadata.
-        _torch.push_backward_metadata(context, [metadata[id(callables[i])] for i in order])
-    return CompiledPieces(tuple(callables), tuple(records), tuple(order))
+    return CompiledPieces(tuple(callables), tuple(records))

@@ -3,7 +3,7 @@
 Example::
 
     >>> SplitConfig.from_options({"inner": "aot_eager", "bucket_cap_mb": 8})
-    SplitConfig(inner='aot_eager', bucket_cap_mb=8, first_bucket_cap_mb=None)
+    SplitConfig(inner='aot_eager', bucket_cap_mb=8, first_bucket_cap_mb=None, min_piece_mb=None, reuse_identical_pieces=None, mode=None, inner_options=None, on_inner_failure='eager')
 """
 
 from __future__ import annotations
@@ -123,10 +123,12 @@ class SplitConfig:
             )
 
     @classmethod
-    def from_options(cls, options: Mapping[str, Any] | None) -> SplitConfig:
-        """Build a config from the ``options`` dict of ``torch.compile``."""
+    def from_options(cls, options: Mapping[str, Any] | None, base: SplitConfig | None = None) -> SplitConfig:
+        """Build a config from the ``options`` dict of ``torch.compile``, overlaid on ``base``
+        (the backend instance's config; default: the defaults)."""
+        base = base if base is not None else cls()
         if options is None:
-            return cls()
+            return base
         if not isinstance(options, Mapping):
             raise SplitConfigError(
                 f"ddp_split options must be a dict, got {type(options).__name__} {options!r}. "
@@ -139,7 +141,7 @@ class SplitConfig:
                     f"unknown ddp_split option {key!r} (value {options[key]!r}); "
                     f"valid options are {', '.join(known)}."
                 )
-        return cls(**options)
+        return dataclasses.replace(base, **options)
 
     @property
     def reuse(self) -> bool:

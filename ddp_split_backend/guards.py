@@ -12,6 +12,7 @@ failure as data) and the tracking of regions entered by pieces that run as Pytho
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import threading
 from collections.abc import Callable, Iterator
@@ -26,9 +27,11 @@ from . import _torch
 __all__ = [
     "AutogradCheckpoint",
     "Attempt",
+    "CallState",
     "GlobalState",
     "attempt",
     "call_inner",
+    "capture_call",
     "dual_level_open",
     "preserve_global_state",
     "track_if_own_code",
@@ -49,6 +52,10 @@ class GlobalState:
     inference: bool
     autocast: tuple[tuple[str, bool, torch.dtype], ...]
     autocast_cache: bool
+    multithreading: bool
+    view_replay: bool
+    """Autograd's thread-local multithreading and view-replay modes (inference-mode guards set
+    the first)."""
     dispatch_include: Any
     dispatch_exclude: Any
     """Thread-local dispatch keys (``DispatchKeySet``). A failed AOTAutograd trace inside an
@@ -68,26 +75,70 @@ class GlobalState:
                 for d in _AUTOCAST_DEVICES
             ),
             autocast_cache=torch.is_autocast_cache_enabled(),
+            multithreading=_torch.is_multithreading_enabled(),
+            view_replay=_torch.is_view_replay_enabled(),
             dispatch_include=_torch.dispatch_include_set(),
             dispatch_exclude=_torch.dispatch_exclude_set(),
             tracked_depth=len(_open_stack()),
         )
 
+    def with_call(self, call: CallState) -> GlobalState:
+        """This state (captured at a graph's first call) with what can differ between its
+        calls taken from ``call``."""
+        grad, fwd_grad, depth, include, exclude = call
+        return dataclasses.replace(
+            self, grad=grad, fwd_grad=fwd_grad, tracked_depth=depth,
+            dispatch_include=include, dispatch_exclude=exclude,
+        )
+
     def restore(self) -> None:
         """Set the state back. Regions entered since the capture by pieces run as Python
         (inference mode, dual levels, autocast) are exited first, innermost first (see
-        :func:`track_state_calls`). Inference mode has no setter: if it still differs after
-        that, a guard for the captured mode is entered and kept for the thread's lifetime."""
+        :func:`track_state_calls`); if inference mode still differs after that, it is set
+        by :func:`_set_inference_mode`, which leaves no guard behind."""
         _unwind_tracked(self.tracked_depth)
         if torch.is_inference_mode_enabled() != self.inference:
-            _pinned_guards().append(_torch.InferenceModeGuard(self.inference))
+            _set_inference_mode(self.inference)
         _torch.set_grad_enabled(self.grad)
         _torch.set_fwd_grad_enabled(self.fwd_grad)
         for device, enabled, dtype in self.autocast:
             torch.set_autocast_enabled(device, enabled)
             torch.set_autocast_dtype(device, dtype)
         torch.set_autocast_cache_enabled(self.autocast_cache)
+        _torch.set_multithreading_enabled(self.multithreading)
+        _torch.set_view_replay_enabled(self.view_replay)
         _restore_dispatch_keys(self.dispatch_include, self.dispatch_exclude)
+
+
+CallState = tuple[bool, bool, int, Any, Any]
+"""What a compiled graph captures on each call, to restore if it raises: grad mode,
+forward-grad mode, tracked depth and dispatch keys. The rest of :class:`GlobalState`
+(inference mode, autocast and its cache) is guarded by Dynamo, so a graph runs only under
+the values of its first call (see ``runtime.py``); multithreading and view replay only
+inference-mode guards change."""
+
+
+def capture_call() -> CallState:
+    """The :data:`CallState` now."""
+    return (
+        torch.is_grad_enabled(), _torch.is_fwd_grad_enabled(), len(_open_stack()),
+        _torch.dispatch_include_set(), _torch.dispatch_exclude_set(),
+    )
+
+
+def _set_inference_mode(enabled: bool) -> None:
+    """Switch inference mode, which has no setter, leaving no guard alive.
+
+    A guard sets the mode when made and, when exited, puts back the whole autograd state it
+    saw when made, whatever the order guards are exited in. Two guards for ``enabled``: the
+    first one saw the old state, the second one the new; exiting the first, then the second
+    ends in the new state with neither alive. The guards also set grad, forward-grad and
+    multithreading mode and dispatch keys, which the caller (:meth:`GlobalState.restore`)
+    sets after."""
+    saw_old = _torch.InferenceModeGuard(enabled)
+    saw_new = _torch.InferenceModeGuard(enabled)
+    saw_old.__exit__(None, None, None)
+    saw_new.__exit__(None, None, None)
 
 
 def _restore_dispatch_keys(include: Any, exclude: Any) -> None:
@@ -228,13 +279,6 @@ def _open_stack() -> list[tuple[Callable[[Any], None], Any]]:
     if stack is None:
         stack = _tracked.stack = []
     return stack
-
-
-def _pinned_guards() -> list[Any]:
-    guards = getattr(_tracked, "pinned", None)
-    if guards is None:
-        guards = _tracked.pinned = []
-    return guards
 
 
 def _unwind_tracked(depth: int = 0) -> None:

@@ -8,6 +8,7 @@ if not why (:class:`AdjustReason`; Note [Bucket plan] in ``plan.py`` lists the r
 from __future__ import annotations
 
 import enum
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -15,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from . import _torch
-from .state import Ambient, PointState, StateAction, StateKind, classify, simulate
+from .state import Ambient, PointState, StateAction, StateKind, classify, simulate, unpaired_toggles
 
 __all__ = ["AdjustReason", "GraphLayout", "StateSpan", "layout_graph", "state_spans"]
 
@@ -102,6 +103,13 @@ def layout_graph(gm: fx.GraphModule, ambient: Ambient) -> GraphLayout:
     count = len(nodes)
     index = {n: i for i, n in enumerate(nodes)}
     states = simulate(nodes, ambient)
+    for node in unpaired_toggles(nodes):
+        warnings.warn(
+            f"ddp_split: {node.format_node()} is read as a global-state setter (a torch function "
+            "named set_* whose result is unused) that no second call undoes; no cut can fall after "
+            "it, so the rest of the graph becomes one piece (Note [Global state across pieces])",
+            stacklevel=2,
+        )
 
     # Difference arrays over cut positions 1..count-1: value defined at i crosses cuts i+1..last.
     live = [0] * (count + 2)

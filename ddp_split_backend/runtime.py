@@ -2,7 +2,10 @@
 
 The stitched callable is what the backend returns to Dynamo. Its hot path is a loop over
 pieces that moves values through a flat list of slots; everything else (naming the failing
-piece, restoring global state) happens only when an exception passes through.
+piece, restoring global state) happens only when an exception passes through. Each call
+reads only the state that can differ between calls (:data:`guards.CallState`); the rest
+(autocast for every device, its cache, inference mode) Dynamo guards, so it is read once, at
+the first call.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from typing import Any
 
 
 from . import _torch
-from .guards import GlobalState
+from .guards import GlobalState, capture_call
 from .split import SplitGraph
 
 __all__ = ["GuardedCallable", "StitchedCallable"]
@@ -28,13 +31,16 @@ class GuardedCallable:
     def __init__(self, fn: Callable[..., Any], compiler_name: str) -> None:
         self._fn = fn
         self._name = compiler_name
+        self._first_call: GlobalState | None = None
 
     def __call__(self, *args: Any) -> Any:
-        before = GlobalState.capture()
+        if self._first_call is None:
+            self._first_call = GlobalState.capture()
+        call = capture_call()
         try:
             return self._fn(*args)
         except BaseException as error:
-            before.restore()
+            self._first_call.with_call(call).restore()
             error.add_note(_piece_error_note(0, 1, self._name))
             raise
 
@@ -61,10 +67,13 @@ class StitchedCallable:
         )
         self._constants = split.output_constants
         self._spec = split.output_spec
+        self._first_call: GlobalState | None = None
 
     def __call__(self, *args: Any) -> Any:
         values: list[Any] = [*args, *([None] * (self._num_slots - self._num_inputs))]
-        before = GlobalState.capture()
+        if self._first_call is None:
+            self._first_call = GlobalState.capture()
+        call = capture_call()
         index = 0
         try:
             for index, (fn, inputs, outputs, release, grad) in enumerate(self._steps):
@@ -74,9 +83,9 @@ class StitchedCallable:
                     values[s] = v
                 for s in release:
                     values[s] = None
-            _torch.set_grad_enabled(before.grad)
+            _torch.set_grad_enabled(call[0])
         except BaseException as error:
-            before.restore()
+            self._first_call.with_call(call).restore()
             error.add_note(_piece_error_note(index, len(self._steps), self._names[index]))
             raise
         if self._flat_tuple:

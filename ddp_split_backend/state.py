@@ -219,6 +219,19 @@ def simulate(nodes: Sequence[fx.Node], ambient: Ambient) -> list[PointState]:
     return states
 
 
+def unpaired_toggles(nodes: Sequence[fx.Node]) -> list[fx.Node]:
+    """Setter calls read as toggles (:attr:`StateAction.TOGGLE`) that no second call of the
+    same setter closes: each leaves the rest of the graph uncuttable."""
+    open_at: dict[object, fx.Node] = {}
+    for node in nodes:
+        op = classify(node)
+        if op is None or op.action is not StateAction.TOGGLE:
+            continue
+        if open_at.pop(node.target, None) is None:
+            open_at[node.target] = node
+    return list(open_at.values())
+
+
 def _exit_region(
     regions: tuple[OpenRegion, ...], kind: StateKind, exit_node: fx.Node, grad: bool
 ) -> tuple[tuple[OpenRegion, ...], bool]:

@@ -143,7 +143,7 @@ def test_on_inner_failure_eager_records_the_exception_with_its_traceback() -> No
     (record,) = backend.records
     assert [r.outcome for r in record.pieces] == [Outcome.EAGER_FALLBACK, Outcome.COMPILED, Outcome.COMPILED]
     failed = record.pieces[0]
-    assert isinstance(failed.error, RuntimeError) and failed.error.__traceback__ is not None
+    assert failed.error.exc_type == "RuntimeError" and "planned failure on piece 0" in failed.error.traceback
     assert record.failures == (failed,)
 
 
@@ -158,9 +158,8 @@ def test_one_bucket_graph_gets_a_record_too() -> None:
 
 def test_graph_names_count_past_the_records_kept() -> None:
     backend = DDPSplitBackend(SplitConfig(inner="eager"), keep_records=2)
-    for width in (3, 4, 5):
-        torch._dynamo.reset()
-        torch.compile(nn.Linear(width, width), backend=backend)(torch.randn(1, width))
+    for width in (3, 4, 5):  # recompiles (torch._dynamo.reset() would reset the backend too)
+        torch.compile(nn.Linear(width, width), backend=backend, dynamic=False)(torch.randn(1, width))
     assert [r.plan.graph_name.split(" [")[0] for r in backend.records] == ["graph 1", "graph 2"]
 
 
@@ -186,7 +185,7 @@ class GradModes(nn.Module):
 
 @pytest.mark.parametrize("reuse", [False, True], ids=["no-reuse", "reuse"])
 @pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
-def test_backward_metadata_only_for_pieces_with_a_backward(inner: str, reuse: bool) -> None:
+def test_pieces_with_and_without_a_backward_match_eager(inner: str, reuse: bool) -> None:
     torch.manual_seed(0)
     model = GradModes()
     x = torch.randn(4, 64)
@@ -200,16 +199,13 @@ def test_backward_metadata_only_for_pieces_with_a_backward(inner: str, reuse: bo
     actual.sum().backward()
     (record,) = backend.records
     assert len(record.plan.buckets) == 5, record.plan.table()
-    grad_pieces = (0, 2, 3, 4)
-    if reuse and any(r.outcome is Outcome.SHARED for r in record.pieces):
+    if reuse:  # sharing must happen, not silently stop
         shared = {r.piece: r.shared_with for r in record.pieces if r.outcome is Outcome.SHARED}
-        assert shared == {4: 3}, shared  # the last two blocks are alike; pushed once, at the last use
-        grad_pieces = (0, 2, 4)
+        assert shared == {4: 3}, shared  # the last two blocks are alike
     # Where AOTAutograd cannot compile inference_mode under autograd, the inference piece runs
     # eagerly and has no compiled backward.
     fell_back = {r.piece for r in record.pieces if r.outcome is Outcome.EAGER_FALLBACK}
     assert fell_back == (set() if _torch.aot_compiles_inference_mode_under_autograd() else {2})
-    assert record.backward_order == tuple(p for p in grad_pieces if p not in fell_back)
     tol = {} if inner == "aot_eager" else {"rtol": 1e-4, "atol": 1e-4}
     torch.testing.assert_close(actual, expected, **tol)
     for p, e in zip(model.parameters(), expected_grads, strict=True):
@@ -256,4 +252,12 @@ def test_each_backward_compile_sees_its_own_pieces_metadata() -> None:
     names = {id(m): piece for piece, m in zip(compiled, witness.forward, strict=True)}
     reached = [p for p in (4, 3, 2, 0) if p in compiled]
     assert [names.get(id(m), "other") for m in witness.backward] == reached
-    assert record.backward_order == tuple(reversed(reached))
+
+
+def test_the_doors_all_names_every_public_name_it_defines() -> None:
+    tree = ast.parse((pathlib.Path(_torch.__file__)).read_text())
+    defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        defined |= {t.id for t in targets if isinstance(t, ast.Name)}
+    assert sorted(_torch.__all__) == sorted(n for n in defined if not n.startswith("_"))

@@ -110,3 +110,32 @@ def test_backend_object_keeps_records() -> None:
     torch.compile(model, backend=backend)(torch.randn(2, 16))
     assert len(backend.records) == 1
     assert backend.plans[0].buckets[0].params == ("net.0.weight", "net.0.bias")
+
+
+def test_options_overlay_the_instances_config_and_are_validated_once(monkeypatch) -> None:
+    from ddp_split_backend import DDPSplitBackend, config as config_module
+
+    backend = DDPSplitBackend(SplitConfig(inner="aot_eager", bucket_cap_mb=0.015, min_piece_mb=None))
+    validations = []
+    real = config_module.SplitConfig.__post_init__
+    monkeypatch.setattr(config_module.SplitConfig, "__post_init__", lambda self: (validations.append(1), real(self)))
+    for width in (8, 16, 32):  # three graphs (recompiles), the same options
+        model = MLP(width=width, depth=3)
+        torch.compile(model, backend=backend, options={"on_inner_failure": "raise"})(torch.randn(2, width))
+    configs = {id(c) for c, _ in backend._configs.values()}
+    assert len(configs) == 1 and len(validations) == 1, validations
+    (config, _), = backend._configs.values()
+    assert config.inner == "aot_eager" and config.bucket_cap_mb == 0.015 and config.on_inner_failure == "raise"
+    assert len(backend.records) == 3
+
+
+def test_dynamo_reset_forgets_records_count_and_warning() -> None:
+    from ddp_split_backend import DDPSplitBackend
+
+    backend = DDPSplitBackend(SplitConfig(inner="aot_eager"))
+    torch.compile(MLP(width=8, depth=2), backend=backend)(torch.randn(2, 8))
+    backend._warned_ddp_optimizer = True
+    torch._dynamo.reset()  # calls backend.reset()
+    assert not backend.records and not backend._warned_ddp_optimizer and not backend._configs
+    torch.compile(MLP(width=8, depth=2), backend=backend)(torch.randn(2, 8))
+    assert backend.records[-1].plan.graph_name.startswith("graph 0")

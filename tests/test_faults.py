@@ -61,9 +61,9 @@ def _pieces(make_model, x: torch.Tensor, options: dict = TINY) -> tuple[int, set
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.compile(make_model(), backend=backend)(x)
-    torch._dynamo.reset()
     assert len(backend.records) == 1
     (record,) = backend.records
+    torch._dynamo.reset()  # also clears backend.records
     natural = {r.piece for r in record.pieces if r.outcome is Outcome.EAGER_FALLBACK}
     return len(record.plan.buckets), natural
 

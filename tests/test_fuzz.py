@@ -436,8 +436,8 @@ def check_program(program: Program) -> None:
         actual, error = _attempt(lambda: _run_once(split_model, compiled, program, x))
     after = GlobalState.capture()
     leaked_dual_level = restore(before)
-    torch._dynamo.reset()
     records = list(backend.records)
+    torch._dynamo.reset()  # also clears backend.records
     if any(p.outcome is PieceOutcome.SHARED for r in records for p in r.pieces):
         _event("identical pieces shared")
     for record in records:

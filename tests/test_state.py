@@ -4,6 +4,8 @@ after the call equals the state before."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -254,3 +256,31 @@ def test_regression_enable_grad_under_ambient_no_grad_keeps_the_autograd_chain(r
     assert_grads_equal(model, want)
     assert len(backend.records[-1].plan.buckets) == 4
     assert any(r.outcome is Outcome.SHARED for r in backend.records[-1].pieces) == reuse
+
+
+def _toggle_graph(calls: int) -> torch.fx.GraphModule:
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    a = graph.call_function(torch.sin, (x,))
+    for _ in range(calls):
+        graph.call_function(torch.set_printoptions, (), {"precision": 4})  # a torch set_* call, result unused
+    b = graph.call_function(torch.cos, (a,))
+    c = graph.call_function(torch.tan, (b,))
+    graph.output(c)
+    return torch.fx.GraphModule(nn.Module(), graph)
+
+
+def test_an_unpaired_setter_that_blocks_every_later_cut_is_a_warning_naming_it() -> None:
+    from ddp_split_backend.layout import layout_graph
+    from ddp_split_backend.state import Ambient
+
+    with pytest.warns(UserWarning, match=r"set_printoptions.*no second call undoes.*one piece") as caught:
+        layout = layout_graph(_toggle_graph(1), Ambient.capture())
+    assert len([w for w in caught if "set_printoptions" in str(w.message)]) == 1
+    names = [n.name for n in layout.nodes]
+    blocked = {names[i]: r for i, r in enumerate(layout.blocked)}
+    assert blocked["cos"] is not None and blocked["tan"] is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layout = layout_graph(_toggle_graph(2), Ambient.capture())  # paired: a region, no warning
+    assert layout.blocked[[n.name for n in layout.nodes].index("tan")] is None
