@@ -9,7 +9,7 @@ BENCH_STAMP := $(VENV)/.ddp-split-bench-installed
 # each release's extras). make test-torch TORCH=2.15.0 (releases: ls .ci/torch).
 TORCH ?= 2.15.0
 
-.PHONY: demo test test-fast test-slow test-torch bench clean
+.PHONY: demo test test-fast test-slow test-torch test-matrix gpu-check bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,14 @@ bench: $(BENCH_STAMP)
 
 test-torch:
 	.ci/test_torch.sh $(TORCH)
+
+test-matrix:
+	status=0; for t in 2.11.0 2.12.1 2.14.1 2.15.0; do .ci/test_torch.sh $$t || status=1; done; exit $$status
+
+# The prepared GPU check, from the working tree with the interpreter given (nothing is
+# installed): make gpu-check PYTHON=python3. Without a GPU it runs on the CPU and says so.
+gpu-check:
+	PYTHONPATH=. $(PYTHON) benchmarks/gpu_check.py
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow --hypothesis-show-statistics
