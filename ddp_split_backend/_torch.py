@@ -72,6 +72,7 @@ __all__ = [  # every name the package uses (tests/test_compile_stage.py checks t
     "inductor_list_options",
     "inductor_mode_options",
     "is_ddp_optimizer_piece",
+    "is_view",
     "is_fwd_grad_enabled",
     "is_multithreading_enabled",
     "is_view_replay_enabled",
@@ -454,6 +455,11 @@ def grapharg(node: fx.Node) -> Any:
 def storage_id(tensor: torch.Tensor) -> int:
     """Identity of a tensor's storage (views share it)."""
     return tensor.untyped_storage()._cdata
+
+
+def is_view(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a view of another tensor (``Tensor._is_view``)."""
+    return bool(tensor._is_view())
 
 
 def compiled_original(module: object) -> object:
