@@ -25,9 +25,29 @@ torch.compile(MLP(width=64, depth=3), backend=backend)(torch.randn(2, 64))
 """
 
 
-def _run(env_extra: dict[str, str]) -> subprocess.CompletedProcess:
+BREAK_SCRIPT = """
+import torch
+from tests.models import MLP
+from ddp_split_backend import DDPSplitBackend, SplitConfig
+
+class Breaks(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = MLP(width=64, depth=3), MLP(width=64, depth=3)
+
+    def forward(self, x):
+        x = self.a(x)
+        print("break here")
+        return self.b(x)
+
+backend = DDPSplitBackend(SplitConfig(inner="aot_eager", bucket_cap_mb=0.02))
+torch.compile(Breaks(), backend=backend)(torch.randn(2, 64))
+"""
+
+
+def _run(env_extra: dict[str, str], script: str = SCRIPT) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), **env_extra}
-    return subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300, check=True)
 
 
@@ -40,10 +60,14 @@ def test_torch_logs_prints_fqn_bucket_table() -> None:
     assert "def forward" not in out  # piece code only at +ddp_split
 
 
-def test_torch_logs_plus_adds_piece_code_and_composes() -> None:
-    out = _run({"TORCH_LOGS": "+ddp_split,graph_breaks"}).stderr
-    assert "ddp_split plan graph 0" in out
+def test_torch_logs_plus_adds_piece_code_and_composes_with_graph_breaks() -> None:
+    """Both loggers print, for a program with a real graph break: Dynamo's break reason
+    and a ddp_split table (with piece code) for the graph on each side of it."""
+    out = _run({"TORCH_LOGS": "+ddp_split,graph_breaks"}, BREAK_SCRIPT).stderr
+    assert "Graph break" in out and "print" in out, out[-3000:]
+    assert "ddp_split plan graph 0" in out and "ddp_split plan graph 1" in out
     assert "piece 1" in out and "def forward" in out
+    assert out.index("Graph break") < out.index("ddp_split plan graph 1")
 
 
 def test_trace_structured_artifacts_are_written(tmp_path) -> None:
