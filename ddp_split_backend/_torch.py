@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +64,7 @@ __all__ = [  # every name the package uses (tests/test_compile_stage.py checks t
     "enter_autocast",
     "enter_dual_level",
     "enter_inference_mode",
+    "forget_compiles",
     "exit_autocast",
     "exit_dual_level",
     "exit_inference_mode",
@@ -72,6 +74,7 @@ __all__ = [  # every name the package uses (tests/test_compile_stage.py checks t
     "inductor_list_options",
     "inductor_mode_options",
     "is_ddp_optimizer_piece",
+    "is_view",
     "is_fwd_grad_enabled",
     "is_multithreading_enabled",
     "is_view_replay_enabled",
@@ -317,6 +320,9 @@ lookup_backend = _resolve("torch._dynamo.backends.registry.lookup_backend", "inn
 list_backends = _resolve("torch._dynamo.list_backends", "valid inner backend names")
 dynamo_config = _resolve("torch._dynamo.config", "optimize_ddp, switched off by own_split()")
 dynamo_optimize = _resolve("torch._dynamo.optimize", "explain(): compile with a recording backend")
+_dynamo_input_codes = _resolve("torch._dynamo.convert_frame.input_codes", "explain(): code objects Dynamo compiled")
+_cache_entries = _resolve("torch._dynamo.eval_frame._debug_get_cache_entry_list", "explain(): a code's cache entries")
+_reset_code = _resolve("torch._C._dynamo.eval_frame.reset_code", "explain(): empties a code's Dynamo cache")
 trace_structured = _resolve("torch._logging.trace_structured", "tlparse artifacts")
 OpOverload = _resolve("torch._ops.OpOverload", "op targets in identical-piece keys")
 OpOverloadPacket = _resolve("torch._ops.OpOverloadPacket", "op targets in identical-piece keys")
@@ -454,6 +460,28 @@ def grapharg(node: fx.Node) -> Any:
 def storage_id(tensor: torch.Tensor) -> int:
     """Identity of a tensor's storage (views share it)."""
     return tensor.untyped_storage()._cdata
+
+
+def forget_compiles(backend: Callable[..., Any]) -> int:
+    """Empty Dynamo's cache for every code object ``backend`` compiled; returns how many.
+
+    Dynamo can only drop a code object's cache whole (``reset_code``, what its own ``export``
+    does before and after tracing): invalidating one entry keeps it in the list, and it
+    still counts toward ``recompile_limit``. A code object that also holds other backends'
+    compiles loses those too; they compile again at their next call.
+    """
+    dropped = 0
+    for seen in list(_dynamo_input_codes.seen):
+        code = seen() if isinstance(seen, weakref.ref) else seen  # weak references, some releases
+        if code is not None and any(entry.backend is backend for entry in _cache_entries(code)):
+            _reset_code(code)
+            dropped += 1
+    return dropped
+
+
+def is_view(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a view of another tensor (``Tensor._is_view``)."""
+    return bool(tensor._is_view())
 
 
 def compiled_original(module: object) -> object:

@@ -342,7 +342,7 @@ def compile_pieces(
             outputs = unit.outputs
             callables.append(unit.fn)
             records.append(unit.record)
-            if key is not None and unit.record.outcome is Outcome.COMPILED and reusable_outputs(outputs):
+            if key is not None and unit.record.outcome is Outcome.COMPILED and reusable_outputs(outputs, args):
                 reusable[key] = _Reusable(piece.index, unit.fn, tuple(outputs))
         for s, value in zip(piece.outputs, outputs):
             values[s] = value

@@ -9,7 +9,8 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,12 +53,46 @@ def _plan_recorder(config: SplitConfig, plans: list[SplitPlan]) -> Callable[...,
     return record
 
 
+@contextlib.contextmanager
+def _restoring(model: torch.nn.Module, inputs: Sequence[Any]) -> Iterator[None]:
+    """Put back what running the real forward changes: every buffer's value (BatchNorm
+    statistics, ``num_batches_tracked``; the tensor object too if the forward replaced it) and
+    the random number generators of the CPU and of each device the model or inputs are on."""
+    saved = []
+    for name, buffer in model.named_buffers(remove_duplicate=False):
+        owner, _, leaf = name.rpartition(".")
+        saved.append((model.get_submodule(owner), leaf, buffer, buffer.detach().clone()))
+    devices: dict[str, set[int]] = {}
+    for tensor in (*model.parameters(), *model.buffers(), *(t for t in inputs if isinstance(t, torch.Tensor))):
+        if tensor.device.type not in ("cpu", "meta"):
+            devices.setdefault(tensor.device.type, set()).add(tensor.device.index or 0)
+    with contextlib.ExitStack() as rngs:
+        rngs.enter_context(torch.random.fork_rng(devices=[]))  # the CPU generator
+        for kind, indices in devices.items():
+            rngs.enter_context(torch.random.fork_rng(devices=sorted(indices), device_type=kind))
+        try:
+            yield
+        finally:
+            for owner, leaf, buffer, value in saved:
+                with torch.inference_mode(buffer.is_inference()), torch.no_grad():
+                    buffer.copy_(value)
+                if getattr(owner, leaf, None) is not buffer:
+                    setattr(owner, leaf, buffer)
+
+
 def explain(model: torch.nn.Module, *example_inputs: Any, **options: Any) -> ExplainResult:
     """The plans ``ddp_split`` makes for ``model(*example_inputs)``, without compiling pieces.
 
+    Explaining leaves no trace in the model: the forward runs once under Dynamo on the real
+    inputs, then the model's buffers (BatchNorm statistics) and the random number generators
+    are put back as they were, and the Dynamo cache of every code object this call compiled
+    is emptied, so repeated calls never approach ``recompile_limit``. Dynamo can drop a
+    code object's cache only whole: a ``torch.compile`` of the same model made earlier
+    compiles again at its next call (``_torch.forget_compiles``).
+
     Args:
         model: the model, DDP-wrapped or not (a DDP module's bucket cap applies).
-        example_inputs: inputs for one forward call (run once, eagerly, under Dynamo).
+        example_inputs: inputs for one forward call.
         options: the backend's options (``bucket_cap_mb``, ``first_bucket_cap_mb``).
 
     Returns:
@@ -65,7 +100,10 @@ def explain(model: torch.nn.Module, *example_inputs: Any, **options: Any) -> Exp
     """
     config = SplitConfig.from_options(options)
     plans: list[SplitPlan] = []
-    compiled = _torch.dynamo_optimize(_plan_recorder(config, plans))(model)
-    with own_split():
-        compiled(*example_inputs)
+    recorder = _plan_recorder(config, plans)
+    try:
+        with _restoring(model, example_inputs), own_split():
+            _torch.dynamo_optimize(recorder)(model)(*example_inputs)
+    finally:
+        _torch.forget_compiles(recorder)
     return ExplainResult(tuple(plans))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -146,7 +147,7 @@ def find_params(
             if arg in values:
                 note(index, *values[arg])
             elif arg.op == "get_attr":
-                attr = _fetch(gm, str(arg.target))
+                attr = attrgetter(str(arg.target))(gm)
                 if isinstance(attr, torch.nn.Parameter):
                     note(index, str(arg.target), attr)
                 elif isinstance(attr, torch.nn.Module) and node.op == "call_method":
@@ -162,10 +163,3 @@ def find_params(
         for index, name, param in first_use.values()
     )
     return ParamTable(params=uses, ignored=tuple(sorted(ignored.values())))
-
-
-def _fetch(gm: torch.nn.Module, target: str) -> object:
-    obj: object = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj

@@ -196,6 +196,20 @@ class SplitPlan:
         return "\n".join(lines)
 
 
+@dataclass(frozen=True, slots=True)
+class _Bucket:
+    """A bucket as the reverse walk of :func:`plan_buckets` finds it."""
+
+    start: int
+    """Its first node."""
+    nbytes: int
+    """Bytes of the parameters whose gradients it holds."""
+    names: tuple[str, ...]
+    """Those parameters, in the order the walk met them (last used first)."""
+    adjustments: tuple[BoundaryAdjustment, ...]
+    """Where its front cut moved from the wanted place, and why."""
+
+
 def plan_buckets(
     layout: GraphLayout,
     params: ParamTable,
@@ -209,8 +223,8 @@ def plan_buckets(
     count = len(nodes)
     completed = params.completed_at()
 
-    # Reverse walk: each entry is (start, nbytes, names, adjustments) of a bucket, last piece first.
-    built: list[tuple[int, int, list[str], list[BoundaryAdjustment]]] = []
+    # Reverse walk: buckets are found last first.
+    built: list[_Bucket] = []
     nbytes, names, adjustments = 0, [], []
     size = 0  # nodes in the current bucket
     wanted: int | None = None
@@ -228,7 +242,7 @@ def plan_buckets(
                     adjustments.append(
                         BoundaryAdjustment(wanted_reason, nodes[wanted].name, nodes[cut].name)
                     )
-                built.append((cut, nbytes, names, adjustments))
+                built.append(_Bucket(cut, nbytes, tuple(names), tuple(adjustments)))
                 nbytes, names, adjustments, size = 0, [], [], 0
                 wanted = wanted_reason = None
                 bytes_since_wanted = 0
@@ -244,31 +258,27 @@ def plan_buckets(
     # parameter-free front would be folded back anyway).
     if wanted is not None and wanted < count and wanted_reason is not None and bytes_since_wanted:
         adjustments.append(BoundaryAdjustment(wanted_reason, nodes[wanted].name, None))
-    built.append((0, nbytes, names, adjustments))
+    built.append(_Bucket(0, nbytes, tuple(names), tuple(adjustments)))
     built.reverse()
 
-    if len(built) > 1 and built[0][1] == 0:
+    if len(built) > 1 and built[0].nbytes == 0:
         first, second = built[0], built[1]
-        merged_adjustments = [
-            *first[3],
-            *second[3],
-            BoundaryAdjustment(AdjustReason.LEADING_NO_PARAMS, nodes[second[0]].name, None),
-        ]
-        built[:2] = [(0, second[1], first[2] + second[2], merged_adjustments)]
+        folded = BoundaryAdjustment(AdjustReason.LEADING_NO_PARAMS, nodes[second.start].name, None)
+        built[:2] = [_Bucket(0, second.nbytes, first.names + second.names, (*first.adjustments, *second.adjustments, folded))]
 
-    piece_of = _group_buckets([b[1] for b in built], min_piece_bytes)
+    piece_of = _group_buckets([b.nbytes for b in built], min_piece_bytes)
     buckets = []
-    for index, (start, size_bytes, piece_names, piece_adjustments) in enumerate(built):
-        stop = built[index + 1][0] if index + 1 < len(built) else count
+    for index, found in enumerate(built):
+        stop = built[index + 1].start if index + 1 < len(built) else count
         buckets.append(
             BucketPlan(
                 piece=piece_of[index],
                 bucket=len(built) - 1 - index,
-                nbytes=size_bytes,
-                params=tuple(reversed(piece_names)),
-                start=start,
+                nbytes=found.nbytes,
+                params=tuple(reversed(found.names)),
+                start=found.start,
                 stop=stop,
-                adjustments=tuple(piece_adjustments),
+                adjustments=found.adjustments,
             )
         )
     return SplitPlan(

@@ -74,22 +74,43 @@ def _target_key(target: object) -> object:
     return ("object", getattr(target, "__module__", None), getattr(target, "__qualname__", None), id(target))
 
 
-def _input_key(value: Any) -> object:
-    if isinstance(value, torch.Tensor):
-        return (
-            "tensor", tuple(str(s) for s in value.shape), tuple(str(s) for s in value.stride()),
-            value.dtype, value.device, value.requires_grad, isinstance(value, torch.nn.Parameter),
-        )
-    return ("input", _arg_key(value, {}))
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter, _torch.FakeTensor)
+"""Tensor types the key describes; a subclass carries inner tensors and a context it does not."""
+
+
+def _tensor_key(value: torch.Tensor, shares_with: int) -> object:
+    if type(value) not in _PLAIN_TENSORS:
+        raise _NotDescribable(type(value).__qualname__)
+    return (
+        "tensor", tuple(str(s) for s in value.shape), tuple(str(s) for s in value.stride()),
+        str(value.storage_offset()), value.dtype, value.device, value.requires_grad,
+        isinstance(value, torch.nn.Parameter), value.is_inference(), _torch.is_view(value), shares_with,
+    )
+
+
+def _inputs_key(args: Sequence[Any]) -> tuple:
+    """Each input's metadata, and for a tensor the first input on its storage (itself when
+    it shares storage with no earlier input): aliasing changes what AOTAutograd compiles."""
+    first_on_storage: dict[int, int] = {}
+    keys: list[object] = []
+    for i, value in enumerate(args):
+        if not isinstance(value, torch.Tensor):
+            keys.append(("input", _arg_key(value, {})))
+            continue
+        if value.layout is not torch.strided:  # no storage to compare
+            raise _NotDescribable(str(value.layout))
+        keys.append(_tensor_key(value, first_on_storage.setdefault(_torch.storage_id(value), i)))
+    return tuple(keys)
 
 
 def structure_key(gm: fx.GraphModule, args: Sequence[Any], grad: bool) -> tuple | None:
     """A key equal for two pieces that compile to interchangeable code, else ``None``.
 
-    Equal keys mean: the same ops with the same arguments, inputs with the same metadata,
-    called in the same grad mode (AOTAutograd decides at trace time whether to record a
+    Equal keys mean: the same ops with the same arguments, inputs with the same metadata
+    (type, shape, strides, offset, dtype, device, autograd and inference flags, and which
+    inputs share storage), called in the same grad mode (AOTAutograd decides at trace time whether to record a
     backward). Pieces holding attributes (constants, submodules) are never shared, nor are
-    pieces with an argument the key cannot describe.
+    pieces with an argument the key cannot describe or an input of a tensor subclass.
     """
     position: dict[fx.Node, int] = {}
     parts: list[object] = []
@@ -102,31 +123,48 @@ def structure_key(gm: fx.GraphModule, args: Sequence[Any], grad: bool) -> tuple 
             arguments = _arg_key(node.args, position)
             keywords = tuple((k, _arg_key(v, position)) for k, v in node.kwargs.items())
             parts.append((node.op, target, arguments, keywords))
-        key = (grad, tuple(parts), tuple(_input_key(a) for a in args))
+        key = (grad, tuple(parts), _inputs_key(args))
         hash(key)
     except (_NotDescribable, TypeError):
         return None
     return key
 
 
-def reusable_outputs(outputs: Sequence[Any]) -> bool:
-    """Outputs whose sizes hold symbols made inside the piece cannot be shared."""
-    return not any(_torch.free_unbacked_symbols(o) for o in outputs)
+def reusable_outputs(outputs: Sequence[Any], inputs: Sequence[Any]) -> bool:
+    """Whether :func:`fresh_outputs` can stand in for a piece's ``outputs`` (its fake outputs
+    on ``inputs``). Not when sizes hold symbols made inside the piece, an output is of a
+    tensor subclass, lies at a storage offset, or shares storage with another output or an
+    input: new tensors would lose that, and later pieces would compile for other inputs."""
+    if any(_torch.free_unbacked_symbols(o) for o in outputs):
+        return False
+    storages = {_torch.storage_id(t) for t in inputs if isinstance(t, torch.Tensor) and t.layout is torch.strided}
+    for value in outputs:
+        if not isinstance(value, torch.Tensor):
+            continue
+        if type(value) not in _PLAIN_TENSORS or value.layout is not torch.strided or value.storage_offset() != 0:
+            return False
+        storage = _torch.storage_id(value)
+        if storage in storages:
+            return False
+        storages.add(storage)
+    return True
 
 
 def fresh_outputs(template: Sequence[Any], fake_mode: Any) -> list[Any]:
-    """New fake tensors with the metadata of a shared piece's outputs."""
+    """New fake tensors with the metadata of a shared piece's outputs (inference tensors
+    where those are; :func:`reusable_outputs` says when this is faithful)."""
     fresh: list[Any] = []
     with fake_mode, torch.enable_grad():  # the clone below must record autograd history
         for value in template:
-            if isinstance(value, torch.Tensor):
+            if not isinstance(value, torch.Tensor):
+                fresh.append(value)
+                continue
+            with torch.inference_mode(value.is_inference()):
                 tensor = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
                 tensor.requires_grad_(value.requires_grad)
-                if value.requires_grad and not value.is_leaf:  # an activation, as the original
-                    tensor = tensor.clone()
-                    if tensor.stride() != value.stride():
-                        tensor = tensor.as_strided(value.shape, value.stride())
-                fresh.append(tensor)
-            else:
-                fresh.append(value)
+            if value.requires_grad and not value.is_leaf:  # an activation, as the original
+                tensor = tensor.clone()
+                if tensor.stride() != value.stride():
+                    tensor = tensor.as_strided(value.shape, value.stride())
+            fresh.append(tensor)
     return fresh

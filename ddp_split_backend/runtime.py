@@ -11,6 +11,7 @@ the first call.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -45,6 +46,18 @@ class GuardedCallable:
             raise
 
 
+@dataclass(frozen=True, slots=True)
+class _Step:
+    """One piece as the hot path runs it (see :class:`split.Piece` for the fields)."""
+
+    fn: Callable[..., Any]
+    """The piece's compiled function."""
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    release: tuple[int, ...]
+    grad: bool
+
+
 class StitchedCallable:
     """Runs the compiled pieces of one graph in order; returned to Dynamo by the backend."""
 
@@ -55,7 +68,7 @@ class StitchedCallable:
         compiler_names: Sequence[str],
     ) -> None:
         self._steps = tuple(
-            (fn, piece.inputs, piece.outputs, piece.release, piece.grad)
+            _Step(fn, piece.inputs, piece.outputs, piece.release, piece.grad)
             for fn, piece in zip(compiled, split.pieces, strict=True)
         )
         self._names = tuple(compiler_names)
@@ -76,14 +89,14 @@ class StitchedCallable:
         call = capture_call()
         index = 0
         try:
-            for index, (fn, inputs, outputs, release, grad) in enumerate(self._steps):
-                _torch.set_grad_enabled(grad)  # as the piece was compiled
-                results = fn(*[values[s] for s in inputs])
-                for s, v in zip(outputs, results):
+            for index, step in enumerate(self._steps):
+                _torch.set_grad_enabled(step.grad)  # as the piece was compiled
+                results = step.fn(*[values[s] for s in step.inputs])
+                for s, v in zip(step.outputs, results):
                     values[s] = v
-                for s in release:
+                for s in step.release:
                     values[s] = None
-            _torch.set_grad_enabled(call[0])
+            _torch.set_grad_enabled(call[0])  # the caller's grad mode
         except BaseException as error:
             self._first_call.with_call(call).restore()
             error.add_note(_piece_error_note(index, len(self._steps), self._names[index]))

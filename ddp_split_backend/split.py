@@ -35,7 +35,8 @@ remainder waits for the next piece. Measured on transformers/timm/torchvision mo
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -128,13 +129,6 @@ def _emit_exit(graph: fx.Graph, state: PointState, ambient: Ambient, call_grad: 
         graph.call_function(_SET_FWD_GRAD, (ambient.fwd_grad,))
 
 
-def _fetch_attr(root: torch.nn.Module, target: str) -> Any:
-    obj: Any = root
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def _reducer_order_key(node: fx.Node) -> tuple[int, int]:
     """Parameters last and smallest first: see Note [Gradient order inside a piece]."""
     value = node.meta.get("example_value")
@@ -176,7 +170,7 @@ def split_graph(gm: fx.GraphModule, layout: GraphLayout, cuts: Sequence[int]) ->
     last_reader: dict[int, int] = {}
     region_enters = {r.enter for s in (layout.states[b] for b in bounds) for r in s.regions}
 
-    built: list[tuple[fx.GraphModule, list[int], list[int], bool]] = []
+    built: list[Piece] = []  # their ``release`` is known once every piece is built
     for k in range(len(bounds) - 1):
         start, stop = bounds[k], bounds[k + 1]
         graph = fx.Graph()
@@ -199,7 +193,7 @@ def split_graph(gm: fx.GraphModule, layout: GraphLayout, cuts: Sequence[int]) ->
         for node in nodes[start:stop]:
             for arg in node.all_input_nodes:
                 if arg.op == "get_attr" and arg not in env:
-                    attrs[str(arg.target)] = _fetch_attr(gm, str(arg.target))
+                    attrs[str(arg.target)] = attrgetter(str(arg.target))(gm)
                     env[arg] = graph.get_attr(str(arg.target))
                     env[arg].meta = dict(arg.meta)
             env[node] = graph.node_copy(node, lambda n: env[n])
@@ -217,7 +211,7 @@ def split_graph(gm: fx.GraphModule, layout: GraphLayout, cuts: Sequence[int]) ->
         for s in in_slots:
             last_reader[s] = k
         piece_gm = fx.GraphModule(attrs, graph, class_name=f"DDPSplitPiece{k}")
-        built.append((piece_gm, in_slots, [slot[n] for n in outputs], call_grad))
+        built.append(Piece(k, piece_gm, tuple(in_slots), tuple(slot[n] for n in outputs), (), call_grad))
 
     leaves, spec = _torch.pytree.tree_flatten(output_node.args[0])
     output_leaves = tuple(slot[x] if isinstance(x, fx.Node) else None for x in leaves)
@@ -228,17 +222,7 @@ def split_graph(gm: fx.GraphModule, layout: GraphLayout, cuts: Sequence[int]) ->
         if s not in returned:
             release.setdefault(k, []).append(s)
 
-    pieces = tuple(
-        Piece(
-            index=k,
-            gm=piece_gm,
-            inputs=tuple(in_slots),
-            outputs=tuple(out_slots),
-            release=tuple(sorted(release.get(k, ()))),
-            grad=call_grad,
-        )
-        for k, (piece_gm, in_slots, out_slots, call_grad) in enumerate(built)
-    )
+    pieces = tuple(replace(piece, release=tuple(sorted(release.get(piece.index, ())))) for piece in built)
     return SplitGraph(
         pieces=pieces,
         num_inputs=len(placeholders),

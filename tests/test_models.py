@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as checkpoint
 
 from ddp_split_backend import DDPSplitBackend, Outcome, SplitConfig
+from ddp_split_backend.guards import GlobalState
 
 from .helpers import TINY, CountingCompiler, assert_grads_equal, take_grads
 from .models import MLP, WithBatchNorm
@@ -253,10 +254,11 @@ def test_runtime_error_names_the_piece_and_restores_state(counting) -> None:
     backend = DDPSplitBackend(SplitConfig(inner="eager", **TINY))
     compiled = torch.compile(Fails(), backend=backend)
     compiled(torch.randn(4, 8), torch.tensor([0, 1]))
+    before = GlobalState.capture()
     with pytest.raises(Exception) as info:
         compiled(torch.randn(4, 8), torch.tensor([0, 99]))
     assert any("ddp_split piece" in note for note in getattr(info.value, "__notes__", []))
-    assert torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
+    assert GlobalState.capture() == before  # grad mode, autocast, inference mode, dispatch keys, ...
     assert torch.ones(3).sum().item() == 3.0
 
 
