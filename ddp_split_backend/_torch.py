@@ -178,12 +178,9 @@ def _lazy(path: str, purpose: str) -> Callable[[], Any]:
 def _first_present(paths: tuple[str, ...], purpose: str) -> Any:
     """The first of ``paths`` the installed torch has (releases name one thing differently)."""
     for path in paths:
-        try:
-            value = _lookup(path, purpose)
-        except TorchInternalsError:
-            continue
-        PRIVATE_NAMES.append(PrivateName(path, purpose))
-        return value
+        value = _optional(path, purpose)
+        if value is not None:
+            return value
     return _resolve(paths[0], purpose)  # raises, naming the newest spelling
 
 
