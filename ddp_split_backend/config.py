@@ -74,8 +74,8 @@ class SplitConfig:
     """Group consecutive buckets into pieces of at least this many MiB (never cutting inside a
     bucket; DDP's buckets stay as they are). ``None``: one piece per bucket. Fewer pieces
     cost less per step (each piece is one autograd node and one inner-backend call) and
-    fuse across more layers; more pieces start communication earlier. See the README's
-    "Choosing pieces"."""
+    fuse across more layers; more pieces start communication earlier. See "Choosing pieces"
+    in docs/performance.md."""
     reuse_identical_pieces: bool | None = None
     """Compile pieces with the same ops and input metadata once (repeated transformer blocks).
     ``None``: on for registered backend names, off for callables (which may record or

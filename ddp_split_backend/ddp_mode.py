@@ -1,4 +1,4 @@
-"""How ddp_split meets torch's DDPOptimizer (see the README's "DDPOptimizer" section).
+"""How ddp_split meets torch's DDPOptimizer (see the README's Troubleshooting, "DDPOptimizer takeover").
 
 With ``torch._dynamo.config.optimize_ddp`` at its default (True), Dynamo wraps *any* backend
 in DDPOptimizer whenever a DDP module is active, before the backend sees the graph: the

@@ -1,4 +1,4 @@
-"""End a DDP run without the gloo teardown deadlock (see the README's "Ending a DDP run").
+"""End a DDP run without the gloo teardown deadlock (see "Ending a DDP run" in docs/launchers.md).
 
 Note [Teardown deadlock]
 ------------------------

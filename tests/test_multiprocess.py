@@ -81,7 +81,7 @@ EXACT_BUCKET_CASES = ["plain", "static_graph", "bucket_view", "no_sync", "recomp
 
 
 def test_pieces_agree_with_ddp_reducer_buckets(case_results) -> None:
-    """What the README promises (Performance, "Pieces and DDP's buckets"): on Linear stacks the
+    """What docs/design.md promises ("Pieces and DDP's buckets"): on Linear stacks the
     pieces are DDP's rebuilt buckets, one for one, in every DDP mode that rebuilds buckets
     (``find_unused_parameters`` keeps DDP's initial, registration-order buckets); on any model
     no rebuilt bucket waits for more than two pieces."""

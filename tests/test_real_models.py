@@ -95,8 +95,8 @@ def test_pieces_against_reducer_buckets(results) -> None:
     """DDP rebuilds its buckets in the order gradients become ready. All of a piece's
     gradients become ready together, in an order autograd chooses, so a rebuilt bucket closes
     where its bytes reach the cap inside a piece rather than at the piece's end; what holds
-    is that no bucket waits for more than two pieces' backward. Prints the figures the
-    README quotes."""
+    is that no bucket waits for more than two pieces' backward. Prints the figures
+    docs/design.md quotes ("Pieces and DDP's buckets")."""
     print("\ncase: pieces equal to a reducer bucket / pieces with parameters; pieces per bucket; s")
     for case in RUN:
         r = results[0][case.id]
