@@ -3,7 +3,8 @@
 
 Each commit is checked out in a temporary git worktree. The overhead part of
 ``step_overhead.py`` (this tree's copy, so both commits run the same benchmark) runs for
-each commit in turn, in its own process, with that commit's package first on ``PYTHONPATH``;
+each commit in turn, in its own process, importing that commit's package (an editable
+install of this one is kept out of the way);
 commits alternate for ``--repeats`` rounds. Within a process, each ddp_split mode is read as
 a ratio to eager DDP's step in the same process, so the two commits compare as ratios of
 ratios, and machine drift between processes cancels out.
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -32,16 +32,29 @@ sys.path.insert(0, str(HERE))
 from _common import environment  # noqa: E402
 
 
+ISOLATE = (
+    "import runpy, sys; "
+    # An editable install of this package answers imports before PYTHONPATH is searched: drop it.
+    "sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, '__module__', '').startswith('__editable__')]; "
+    "tree, script, *sys.argv[1:] = sys.argv[1:]; sys.argv[0] = script; sys.path[:0] = [tree, {bench!r}]; "
+    "{body}"
+)
+
+
+def in_tree(tree: Path, script: str, *args: str, body: str = "runpy.run_path(script, run_name='__main__')") -> list[str]:
+    """A command running ``script`` (or ``body``) with ``tree``'s package, never the installed one."""
+    return [sys.executable, "-c", ISOLATE.format(bench=str(HERE), body=body), str(tree), script, *args]
+
+
 def step_ratios(tree: Path, inner: str, rounds: int, out: Path) -> dict[str, float]:
     """One process of ``step_overhead.py --part overhead`` on ``tree``'s package: each mode's
     median step over eager DDP's."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(HERE)])}
-    probe = subprocess.run([sys.executable, "-c", "import ddp_split_backend as m; print(m.__file__)"],
-                           env=env, capture_output=True, text=True, check=True)
+    probe = subprocess.run(in_tree(tree, "-", body="import ddp_split_backend as m; print(m.__file__)"),
+                           capture_output=True, text=True, check=True)
     assert probe.stdout.strip().startswith(str(tree)), f"{tree}'s package is not the one imported: {probe.stdout}"
-    subprocess.run([sys.executable, str(HERE / "step_overhead.py"), "--part", "overhead", "--inner", inner,
-                    "--rounds", str(rounds), "--out", str(out), "--picture", str(out.with_suffix(".png"))],
-                   env=env, check=True, capture_output=True, text=True)
+    subprocess.run(in_tree(tree, str(HERE / "step_overhead.py"), "--part", "overhead", "--inner", inner,
+                           "--rounds", str(rounds), "--out", str(out), "--picture", str(out.with_suffix(".png"))),
+                   check=True, capture_output=True, text=True)
     rows = json.loads(out.read_text())["overhead"][0]["rows"]
     return {mode: row["vs_eager_ddp"] for mode, row in rows.items()}
 
