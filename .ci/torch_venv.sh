@@ -16,6 +16,7 @@ venv=$cache/torch-$release
 ready=$venv/.ready-$(sha256sum "$pins" | cut -c1-12)
 if [ ! -f "$ready" ]; then
     echo "building $venv (torch $release and its extras; CUDA builds download 2.5-3 GB)" >&2
+    start=$(date +%s)
     rm -rf "$venv"
     mkdir -p "$cache"
     python3 -m venv "$venv"
@@ -26,5 +27,6 @@ if [ ! -f "$ready" ]; then
     # this one install if it refuses.
     install || PIP_CONFIG_FILE=/dev/null install
     touch "$ready"
+    echo "built $venv in $(( $(date +%s) - start )) s ($(du -sh "$venv" | cut -f1))" >&2
 fi
 echo "$venv/bin/python"
