@@ -211,8 +211,9 @@ class OverlapWatch:
 
     @property
     def done(self) -> bool:
-        """The window has closed: every step of it ran."""
-        return len(self._measured) >= self.steps and self._current is None
+        """The window has closed: every forward of it ran, and the next one began (or the
+        watch was removed)."""
+        return self._forwards >= self.warmup + self.steps and self._current is None
 
     def remove(self) -> None:
         """Stop watching the forwards (the comm hook stays: DDP cannot unregister one; it then

@@ -104,7 +104,7 @@ def draw_overlap(report: OverlapReport, path: Path) -> Path:
         ax.invert_yaxis()
         ax.set_title(f"step {step.step} ({report.device}): {step.exposed_s * 1e3:.2f} ms exposed, "
                      f"{step.exposed_share:.0%} of communication", fontsize=9)
-        ax.legend(loc="lower right", fontsize=7)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
     ax.axvline(0, color="black", linewidth=0.8)
     ax.set_xlabel("ms relative to the end of backward (bars: launch to completion; dots: ready)")
     fig.tight_layout()

@@ -17,11 +17,12 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_split_backend
 from ddp_split_backend import OverlapReport, watch_overlap
+
+from .models import TanhStack
 
 pytestmark = pytest.mark.usefixtures("world1")
 
@@ -29,17 +30,6 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 WIDTH, DEPTH = 512, 8
 """Each layer's weight is 1 MiB: with ``bucket_cap_mb=1`` each layer is its own bucket."""
 MIB = 2**20
-
-
-class Deep(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x
 
 
 @pytest.fixture
@@ -79,7 +69,7 @@ def _train(model: Any, steps: int, on_step: Any = None) -> list[tuple[float, lis
 def test_report_agrees_with_the_links_own_record(mode: str, link: Any) -> None:
     link.bandwidth = 100 * MIB  # 10 ms per 1 MiB bucket: 80 ms of communication, mostly exposed
     torch.manual_seed(0)
-    ddp = DDP(Deep(), bucket_cap_mb=1)
+    ddp = DDP(TanhStack(WIDTH, DEPTH), bucket_cap_mb=1)
     watch = watch_overlap(ddp, hook=send, state=link, warmup=2, steps=3)
     model = ddp if mode == "eager" else torch.compile(
         ddp, backend="ddp_split", options={"inner": "aot_eager", "bucket_cap_mb": 1})
@@ -113,7 +103,7 @@ def instant(state, bucket):  # no annotations: DDP checks them, and here they ar
 
 def test_nothing_exposed_on_an_instant_link() -> None:
     torch.manual_seed(0)
-    ddp = DDP(Deep(), bucket_cap_mb=1)
+    ddp = DDP(TanhStack(WIDTH, DEPTH), bucket_cap_mb=1)
     watch = watch_overlap(ddp, hook=instant, warmup=1, steps=2)
     model = torch.compile(ddp, backend="ddp_split", options={"inner": "aot_eager", "bucket_cap_mb": 1})
     _train(model, 4)
@@ -133,7 +123,7 @@ def test_training_is_unchanged_and_the_users_hook_still_runs() -> None:
     grads, calls = [], []
     for watched in (False, True):
         torch.manual_seed(0)
-        ddp = DDP(Deep(), bucket_cap_mb=1)
+        ddp = DDP(TanhStack(WIDTH, DEPTH), bucket_cap_mb=1)
         calls.append([])
         if watched:
             watch_overlap(ddp, hook=user_hook, state=calls[-1], warmup=0, steps=2)
@@ -147,7 +137,7 @@ def test_training_is_unchanged_and_the_users_hook_still_runs() -> None:
 
 def test_table_is_logged_once_the_window_closes(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
     torch.manual_seed(0)
-    ddp = DDP(Deep(), bucket_cap_mb=1)
+    ddp = DDP(TanhStack(WIDTH, DEPTH), bucket_cap_mb=1)
     watch = watch_overlap(ddp, warmup=1, steps=2)  # DDP's own allreduce (a world of one)
     with caplog.at_level(logging.INFO, logger="ddp_split"):
         _train(ddp, 4)
@@ -160,9 +150,9 @@ def test_table_is_logged_once_the_window_closes(caplog: pytest.LogCaptureFixture
 
 
 def test_clear_errors() -> None:
-    ddp = DDP(Deep(), bucket_cap_mb=1)
+    ddp = DDP(TanhStack(WIDTH, DEPTH), bucket_cap_mb=1)
     with pytest.raises(TypeError, match="DistributedDataParallel"):
-        watch_overlap(Deep())
+        watch_overlap(TanhStack(WIDTH, DEPTH))
     with pytest.raises(ValueError, match="steps must be an int >= 1, got 0"):
         watch_overlap(ddp, steps=0)
     ddp.register_comm_hook(None, instant)
@@ -177,7 +167,7 @@ def test_clear_errors() -> None:
 def test_times_come_from_the_device(device: str) -> None:
     """On a GPU the times are CUDA events on the work's streams; on the CPU host clocks."""
     torch.manual_seed(0)
-    ddp = DDP(Deep().to(device), bucket_cap_mb=1)
+    ddp = DDP(TanhStack(WIDTH, DEPTH).to(device), bucket_cap_mb=1)
     watch = watch_overlap(ddp, hook=instant, warmup=1, steps=2)
     model = torch.compile(ddp, backend="ddp_split", options={"inner": "aot_eager", "bucket_cap_mb": 1})
     gen = torch.Generator().manual_seed(0)
