@@ -11,6 +11,7 @@ from .compile import Failure, Outcome, PieceRecord
 from .config import SplitConfig, SplitConfigError
 from .ddp_mode import own_split
 from .explain import ExplainResult, explain
+from .overlap import BucketTiming, OverlapReport, OverlapWatch, StepOverlap, watch_overlap
 from .plan import AdjustReason, BoundaryAdjustment, BucketPlan, SplitPlan
 from .teardown import close_ddp
 
@@ -18,20 +19,25 @@ __all__ = [
     "AdjustReason",
     "BoundaryAdjustment",
     "BucketPlan",
+    "BucketTiming",
     "CompileRecord",
     "DDPSplitBackend",
     "ExplainResult",
     "Failure",
     "Outcome",
+    "OverlapReport",
+    "OverlapWatch",
     "PieceRecord",
     "SplitConfig",
     "SplitConfigError",
     "SplitPlan",
+    "StepOverlap",
     "close_ddp",
     "ddp_split",
     "explain",
     "own_split",
     "plan_split",
+    "watch_overlap",
 ]
 
 __version__ = "0.1.0"

@@ -48,6 +48,7 @@ __all__ = [  # every name the package uses (tests/test_compile_stage.py checks t
     "c_exit_dual_level",
     "check_release",
     "compiled_original",
+    "ddp_comm_hooks",
     "ddp_first_bucket_bytes",
     "ddp_ignored",
     "default_first_bucket_bytes",
@@ -432,6 +433,11 @@ _differs(
 def ddp_ignored(param: torch.Tensor) -> bool:
     """Whether DDP was told to ignore ``param`` (``param._ddp_ignored``)."""
     return bool(getattr(param, "_ddp_ignored", False))
+
+
+def ddp_comm_hooks(ddp: torch.nn.Module) -> tuple[Any, ...]:
+    """The comm hooks registered on a DDP module (``ddp._comm_hooks``; DDP takes one)."""
+    return tuple(getattr(ddp, "_comm_hooks", ()) or ())
 
 
 def dynamo_source(node: fx.Node) -> Any:

@@ -1,13 +1,19 @@
-"""Draw plans with matplotlib: one row per graph, buckets as bars along the graph."""
+"""Pictures made with matplotlib: plans (one row per graph, buckets as bars along the graph)
+and measured overlap (one step's buckets on a timeline around the end of backward)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from .plan import SplitPlan
 
-__all__ = ["draw_plans"]
+if TYPE_CHECKING:
+    from .overlap import OverlapReport
+
+__all__ = ["draw_overlap", "draw_plans"]
 
 _SPAN_COLORS = {
     "autocast": "#f4a261",
@@ -26,14 +32,21 @@ def _size(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-def draw_plans(plans: Sequence[SplitPlan], path: Path) -> Path:
-    """Write a PNG: x = node position in the graph, bar height = bucket bytes (MiB); dashed
-    lines are cuts, red triangles cuts that were moved, shaded bands global-state regions."""
+def _pyplot():  # noqa: ANN202  (matplotlib is an optional extra)
     import matplotlib
 
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def draw_plans(plans: Sequence[SplitPlan], path: Path) -> Path:
+    """Write a PNG: x = node position in the graph, bar height = bucket bytes (MiB); dashed
+    lines are cuts, red triangles cuts that were moved, shaded bands global-state regions."""
     from matplotlib.patches import Patch
+
+    plt = _pyplot()
 
     rows = max(1, len(plans))
     fig, axes = plt.subplots(rows, 1, figsize=(11, 2.8 * rows), squeeze=False)
@@ -67,6 +80,34 @@ def draw_plans(plans: Sequence[SplitPlan], path: Path) -> Path:
         fig.legend(handles=[Patch(color=_SPAN_COLORS.get(k, "#ddd"), label=k) for k in kinds],
                    loc="upper right", fontsize=7, ncol=len(kinds))
     fig.tight_layout(rect=(0, 0, 1, 0.95))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def draw_overlap(report: OverlapReport, path: Path) -> Path:
+    """Write a PNG of the report's median step: x = ms relative to the end of backward (the
+    grey band is backward), one row per bucket in the order DDP handed them over, a bar from
+    launch to completion and a dot where the bucket was ready; red: communication exposed."""
+    plt = _pyplot()
+    step = report.median_step()
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.28 * (len(step.buckets) if step else 1)))
+    if step is not None:
+        ax.axvspan(-step.backward_s * 1e3, 0, color="#dee2e6", label="backward")
+        if step.exposed_s > 0:
+            ax.axvspan(0, step.exposed_s * 1e3, color="#ffccd5", label="exposed communication")
+        for row, b in enumerate(step.buckets):
+            ax.barh(row, (b.completed - b.launched) * 1e3, left=b.launched * 1e3, height=0.6, color="#2a9d8f")
+            ax.plot([b.ready * 1e3], [row], marker="o", color="#264653", markersize=3)
+        ax.set_yticks(range(len(step.buckets)), [f"bucket {b.bucket}" for b in step.buckets], fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(f"step {step.step} ({report.device}): {step.exposed_s * 1e3:.2f} ms exposed, "
+                     f"{step.exposed_share:.0%} of communication", fontsize=9)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
+    ax.axvline(0, color="black", linewidth=0.8)
+    ax.set_xlabel("ms relative to the end of backward (bars: launch to completion; dots: ready)")
+    fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)

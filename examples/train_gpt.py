@@ -161,6 +161,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "--dropout 0 with --compare for a parameter-exact comparison")
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--watch-overlap", metavar="PNG", default=None,
+                   help="measure ddp_split's overlap (ddp_split_backend.watch_overlap) over steps 3-12; "
+                        "rank 0 prints the table and draws the timeline to PNG")
     p.add_argument("--save-params", metavar="PATH", default=None,
                    help="every rank writes its final parameters to PATH.rank<global rank>")
     return p.parse_args(argv)
@@ -229,7 +232,10 @@ def main(argv: list[str] | None = None) -> None:
     base = GPT(cfg).to(device)
 
     backend = DDPSplitBackend(SplitConfig(inner=args.inner))
-    split_model = torch.compile(DDP(copy.deepcopy(base), bucket_cap_mb=args.bucket_cap_mb), backend=backend)
+    split_ddp = DDP(copy.deepcopy(base), bucket_cap_mb=args.bucket_cap_mb)
+    watch = ddp_split_backend.watch_overlap(split_ddp, warmup=3 * args.accum, steps=10 * args.accum) \
+        if args.watch_overlap else None
+    split_model = torch.compile(split_ddp, backend=backend)
     trainers = [Trainer("ddp_split", split_model, torch.optim.AdamW(split_model.parameters(), lr=args.lr), [])]
     if args.compare:
         reference = GPTReference(cfg).to(device)
@@ -266,6 +272,10 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0:
         print(f"loss: start {first_loss:.4f} -> end {last_loss:.4f} "
               f"(uniform would be {math.log(data.vocab):.4f}); wall {time.perf_counter() - wall:.1f} s")
+    if watch is not None and rank == 0:
+        report = watch.report()
+        print(report.table())
+        print(f"overlap timeline: {report.draw(args.watch_overlap)}")
     if args.compare:
         ours, theirs = trainers[0], trainers[1]
         diff = max((a - b).abs().max().item() for a, b in zip(ours.model.parameters(), theirs.model.parameters()))

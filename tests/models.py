@@ -20,6 +20,20 @@ class MLP(nn.Module):
         return x
 
 
+class TanhStack(nn.Module):
+    """``depth`` x (Linear(width, width) + tanh). At width 512 a weight is 1 MiB, so with
+    ``bucket_cap_mb=1`` DDP gives every layer its own bucket."""
+
+    def __init__(self, width: int = 512, depth: int = 8) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(width, width) for _ in range(depth)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
 class TiedLM(nn.Module):
     """Embedding tied to the output head: one parameter used first and last."""
 

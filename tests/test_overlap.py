@@ -15,26 +15,16 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_split_backend
+
+from .models import TanhStack
 
 pytestmark = pytest.mark.usefixtures("world1")
 
 WIDTH, DEPTH = 512, 8
 """A layer's weight is 1 MiB: with ``bucket_cap_mb=1`` DDP gives each layer its own bucket."""
-
-
-class Deep(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x
 
 
 @dataclass(slots=True)
@@ -51,7 +41,7 @@ def record_launch(state, bucket):  # no annotations: DDP checks them
 
 def _launched_before_backward_ends(backend: str, inner: str | None) -> tuple[int, int]:
     torch.manual_seed(0)
-    ddp = DDP(Deep(), bucket_cap_mb=1)
+    ddp = DDP(TanhStack(WIDTH, DEPTH), bucket_cap_mb=1)
     launches = Launches()
     ddp.register_comm_hook(launches, record_launch)
     options = {"inner": inner, "bucket_cap_mb": 1} if backend == "ddp_split" else None
