@@ -205,7 +205,7 @@ def run_real_case(rank: int, case: RealCase) -> dict[str, Any]:
     eager = DDP(copy.deepcopy(base), bucket_cap_mb=cap)
     expected = _train(eager, spec.loss, batches, case.amp, spec.lr)
     reference64 = None
-    if case.inner == "inductor":  # torch's accuracy check measures both against float64
+    if case.inner == "inductor" or case.amp:  # torch's accuracy check measures both against float64
         batches64 = [{k: v.double() if v.is_floating_point() else v for k, v in b.items()} for b in batches]
         eager64 = DDP(copy.deepcopy(base).double(), bucket_cap_mb=cap)
         reference64 = _train(eager64, spec.loss, batches64, case.amp, spec.lr)
