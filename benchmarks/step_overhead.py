@@ -9,7 +9,9 @@ Two parts, each stepping every mode round-robin in one process (ratios within on
   Modes: eager DDP, one compiled graph (``optimize_ddp=False``, no split), DDPOptimizer, and
   ddp_split with 1, 2, 4, 8 and 32 buckets per piece (``min_piece_mb``), with
   ``min_piece_mb="auto"`` (``ddp_split_auto``), and with ``auto`` told the link is instant
-  (``ddp_split_auto_link@inf``, ``link_gbps=inf``).
+  (``ddp_split_auto_link@inf``, ``link_gbps=inf``); and torch's compiled autograd with
+  ``optimize_ddp="python_reducer"`` (``compiled_autograd``: backward traced whole, DDP's
+  reducer in Python, the comm hook still called per bucket).
 * ``tradeoff``: 16 x Linear(1024) + GELU at batch 64, cap 4 MiB (16 buckets), and then the
   overhead model, with gradients sent over the simulated link of ``overlap.py`` at speeds set
   from the backward time measured at the start of the run (communication = 0.5 x and 2 x
@@ -113,7 +115,8 @@ def _min_piece_mb(work: Workload, group: int) -> float | None:
 def mode_names(work: Workload, compiled: bool) -> list[str]:
     names = ["eager_ddp"]
     if compiled:
-        names += ["one_graph", "ddp_optimizer", *(f"ddp_split_x{g}" for g in work.groups), "ddp_split_auto"]
+        names += ["one_graph", "ddp_optimizer", "compiled_autograd", *(f"ddp_split_x{g}" for g in work.groups),
+                  "ddp_split_auto"]
     return names
 
 
@@ -149,7 +152,13 @@ def build(work: Workload, name: str, inner: str, hook: Callable[..., Any], state
         target, context = torch.compile(module, backend=backend), ddp_split_backend.own_split
     ddp = DDP(target, bucket_cap_mb=work.cap_mb)
     ddp.register_comm_hook(state, hook)
+    if name == "compiled_autograd":  # torch's alternative: the whole step traced, DDP's reducer in Python
+        return Mode(name, torch.compile(ddp, backend=inner), params, _compiled_autograd, backend)
     return Mode(name, ddp, params, context, backend)
+
+
+def _compiled_autograd() -> contextlib.AbstractContextManager[Any]:
+    return torch._dynamo.config.patch(optimize_ddp="python_reducer", compiled_autograd=True)
 
 
 def step(mode: Mode, x: torch.Tensor) -> float:
