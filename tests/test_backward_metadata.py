@@ -5,15 +5,18 @@ for inner backends by name, and gradients are compared with eager."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
 import torch.nn as nn
-from torch._functorch._aot_autograd import runtime_wrappers
+from torch._functorch._aot_autograd import graph_compile, logging_utils, runtime_wrappers
+from torch._guards import TracingContext
 
 from ddp_split_backend import DDPSplitBackend, SplitConfig
 from ddp_split_backend import compile as compile_stage
@@ -25,23 +28,36 @@ from .helpers import TINY, grads
 @dataclass(frozen=True, slots=True)
 class BackwardCompile:
     own: object
-    """The metadata of the compiled function whose backward is compiled."""
+    """The metadata AOTAutograd made for the graph whose backward is compiled."""
     handed: object
-    """The metadata its backward compile reads from the saved tracing context."""
+    """The metadata its backward compile reads from the current tracing context."""
 
 
 @pytest.fixture
 def backward_compiles(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[BackwardCompile]]:
-    """Every lazy backward compile: the function's own metadata and the one it is handed."""
+    """Every backward compile: its graph's own metadata and the one it is handed.
+
+    AOTAutograd names every compile of a graph by ``aot_config.aot_id`` through
+    ``track_graph_compiling`` (all supported releases). When a graph's forward compile ends,
+    the tracing context holds that graph's metadata (its own); when its backward compile
+    starts, lazily or not, the context current then is what the backward reads (handed).
+    """
+    own: dict[int, object] = {}
     seen: list[BackwardCompile] = []
-    prepare = runtime_wrappers._AutogradBackwardCompiler._prepare_lazy_backward_context
+    track = logging_utils.track_graph_compiling
 
-    def witnessed(self, saved_tensors_use_once: bool) -> None:
-        prepare(self, saved_tensors_use_once)
-        context = self.lazy_backward_info.saved_context
-        seen.append(BackwardCompile(self.fw_metadata, getattr(context, "fw_metadata", None)))
+    @contextlib.contextmanager
+    def witnessed(aot_config: Any, graph_name: str) -> Iterator[None]:
+        if graph_name == "backward":
+            context = TracingContext.try_get()
+            seen.append(BackwardCompile(own.get(aot_config.aot_id), getattr(context, "fw_metadata", None)))
+        with track(aot_config, graph_name):
+            yield
+        if graph_name == "forward":
+            own[aot_config.aot_id] = getattr(TracingContext.try_get(), "fw_metadata", None)
 
-    monkeypatch.setattr(runtime_wrappers._AutogradBackwardCompiler, "_prepare_lazy_backward_context", witnessed)
+    for module in (graph_compile, runtime_wrappers):
+        monkeypatch.setattr(module, "track_graph_compiling", witnessed)
     yield seen
 
 
@@ -110,7 +126,8 @@ def test_each_backward_compile_gets_its_pieces_metadata(
         model.zero_grad(set_to_none=True)
     (record,) = backend.records
     assert len(record.pieces) >= 4 and not record.failures
-    assert backward_compiles, "no lazy backward compile was seen"
+    assert backward_compiles, "no backward compile was seen"
+    assert all(c.own is not None for c in backward_compiles), "a backward compiled before its forward?"
     wrong = [i for i, c in enumerate(backward_compiles) if c.handed is not c.own]
     assert not wrong, f"backward compiles {wrong} of {len(backward_compiles)} got another piece's metadata"
 
