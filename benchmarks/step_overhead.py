@@ -7,12 +7,17 @@ Two parts, each stepping every mode round-robin in one process (ratios within on
   1 MiB (32 buckets), a comm hook that completes at once, one thread. Per-step costs of
   pieces (autograd nodes, the inner backend's wrappers) show here, communication does not.
   Modes: eager DDP, one compiled graph (``optimize_ddp=False``, no split), DDPOptimizer, and
-  ddp_split with 1, 2, 4, 8 and 32 buckets per piece (``min_piece_mb``).
+  ddp_split with 1, 2, 4, 8 and 32 buckets per piece (``min_piece_mb``), with
+  ``min_piece_mb="auto"`` (``ddp_split_auto``), and with ``auto`` told the link is instant
+  (``ddp_split_auto_link@inf``, ``link_gbps=inf``); and torch's compiled autograd with
+  ``optimize_ddp="python_reducer"`` (``compiled_autograd``: backward traced whole, DDP's
+  reducer in Python, the comm hook still called per bucket).
 * ``tradeoff``: 16 x Linear(1024) + GELU at batch 64, cap 4 MiB (16 buckets), and then the
   overhead model, with gradients sent over the simulated link of ``overlap.py`` at speeds set
   from the backward time measured at the start of the run (communication = 0.5 x and 2 x
-  backward) and at 1 GB/s. ddp_split with 1, 2, 4, 8 and 16 (32) buckets per piece against
-  DDPOptimizer and eager DDP.
+  backward) and at 1 GB/s. ddp_split with 1, 2, 4, 8 and 16 (32) buckets per piece, with
+  ``min_piece_mb="auto"`` (not told the link) and with ``auto`` told the link's speed
+  (``ddp_split_auto_link@<GB/s>``, built for each speed), against DDPOptimizer and eager DDP.
 
 Examples::
 
@@ -110,13 +115,25 @@ def _min_piece_mb(work: Workload, group: int) -> float | None:
 def mode_names(work: Workload, compiled: bool) -> list[str]:
     names = ["eager_ddp"]
     if compiled:
-        names += ["one_graph", "ddp_optimizer", *(f"ddp_split_x{g}" for g in work.groups)]
+        names += ["one_graph", "ddp_optimizer", "compiled_autograd", *(f"ddp_split_x{g}" for g in work.groups),
+                  "ddp_split_auto"]
     return names
+
+
+AUTO_LINK = "ddp_split_auto_link"
+"""``min_piece_mb="auto"`` told the link's speed: ``ddp_split_auto_link@<GB/s>`` (``inf``: instant)."""
+
+
+def _auto_options(name: str) -> dict[str, Any]:
+    if name == "ddp_split_auto":
+        return {"min_piece_mb": "auto"}
+    return {"min_piece_mb": "auto", "link_gbps": float(name.split("@")[1])}
 
 
 def build(work: Workload, name: str, inner: str, hook: Callable[..., Any], state: Any) -> Mode:
     torch.manual_seed(0)
-    cls = type(f"Stack_{name}_{inner}", (_Stack,), {"forward": own_code(_forward, f"{name}_{inner}")})
+    tag = f"{name}_{inner}".replace("@", "_at_").replace(".", "_")
+    cls = type(f"Stack_{tag}", (_Stack,), {"forward": own_code(_forward, tag)})
     module = cls(work.depth, work.width)
     params = list(module.parameters())
     backend = None
@@ -130,9 +147,18 @@ def build(work: Workload, name: str, inner: str, hook: Callable[..., Any], state
         group = int(name.removeprefix("ddp_split_x"))
         backend = DDPSplitBackend(SplitConfig(inner=inner, min_piece_mb=_min_piece_mb(work, group)))
         target, context = torch.compile(module, backend=backend), ddp_split_backend.own_split
+    elif name.startswith("ddp_split_auto"):
+        backend = DDPSplitBackend(SplitConfig(inner=inner, **_auto_options(name)))
+        target, context = torch.compile(module, backend=backend), ddp_split_backend.own_split
     ddp = DDP(target, bucket_cap_mb=work.cap_mb)
     ddp.register_comm_hook(state, hook)
+    if name == "compiled_autograd":  # torch's alternative: the whole step traced, DDP's reducer in Python
+        return Mode(name, torch.compile(ddp, backend=inner), params, _compiled_autograd, backend)
     return Mode(name, ddp, params, context, backend)
+
+
+def _compiled_autograd() -> contextlib.AbstractContextManager[Any]:
+    return torch._dynamo.config.patch(optimize_ddp="python_reducer", compiled_autograd=True)
 
 
 def step(mode: Mode, x: torch.Tensor) -> float:
@@ -200,7 +226,8 @@ def threads_of(work: Workload) -> Iterator[None]:
 def run_overhead(inner: str, args: argparse.Namespace) -> dict[str, Any]:
     work = OVERHEAD
     with threads_of(work):
-        modes = [build(work, n, inner, _instant_hook, None) for n in mode_names(work, compiled=True)]
+        names = [*mode_names(work, compiled=True), f"{AUTO_LINK}@inf"]
+        modes = [build(work, n, inner, _instant_hook, None) for n in names]
         x = torch.randn(work.batch, work.width)
         round_robin(modes, x, args.warmup, args.rounds, lambda: None)
         return {"workload": work.__dict__, "inner": inner, "threads": torch.get_num_threads(),
@@ -224,8 +251,10 @@ def run_tradeoff(work: Workload, inner: str, args: argparse.Namespace) -> dict[s
             results = {}
             for label, bandwidth in speeds.items():
                 link.bandwidth = bandwidth
-                round_robin(modes, x, args.warmup, args.rounds, link.reset)
-                rows = summarize(modes)
+                told = f"{AUTO_LINK}@{bandwidth / 1e9:.6g}"  # auto, told this link's speed
+                here = [*modes, build(work, told, inner, link_hook, HookState(link, told, {}, record_params=False))]
+                round_robin(here, x, args.warmup, args.rounds, link.reset)
+                rows = summarize(here)
                 results[label] = {"bandwidth": bandwidth, "comm_ms": 1e3 * grad_bytes / bandwidth, "rows": rows}
         finally:
             link.close()
@@ -252,10 +281,10 @@ def process_group() -> Iterator[None]:
 
 def print_overhead(result: dict[str, Any]) -> None:
     print(f"\noverhead model, inner={result['inner']}, 1 thread")
-    print(f"{'mode':18s} {'pieces':>6s} {'step ms':>8s} {'x eager':>8s} {'x DDPOpt':>8s}")
+    print(f"{'mode':28s} {'pieces':>6s} {'step ms':>8s} {'x eager':>8s} {'x DDPOpt':>8s}")
     for name, row in result["rows"].items():
         vs = row["vs_ddp_optimizer"]
-        print(f"{name:18s} {row['pieces'] or '-':>6} {row['step_ms']:8.2f} {row['vs_eager_ddp']:8.3f} "
+        print(f"{name:28s} {row['pieces'] or '-':>6} {row['step_ms']:8.2f} {row['vs_eager_ddp']:8.3f} "
               f"{vs if vs is None else format(vs, '.3f'):>8}")
 
 
@@ -265,7 +294,7 @@ def print_tradeoff(result: dict[str, Any]) -> None:
     for label, speed in result["speeds"].items():
         print(f"  {label} (comm {speed['comm_ms']:.1f} ms)")
         for name, row in speed["rows"].items():
-            print(f"    {name:18s} pieces {row['pieces'] or '-':>3}  {row['step_ms']:8.2f} ms  "
+            print(f"    {name:28s} pieces {row['pieces'] or '-':>3}  {row['step_ms']:8.2f} ms  "
                   f"x DDPOpt {row['vs_ddp_optimizer']:.3f}")
 
 

@@ -28,7 +28,8 @@ from .diagnostics import log_compiled
 from .inner import inner_compile
 from .layout import GraphLayout, layout_graph
 from .params import find_params
-from .plan import BucketPlan, SplitPlan, plan_buckets
+from .cost import device_rates, fixed_cost_s, node_backward_s
+from .plan import BucketPlan, CostInputs, SplitPlan, plan_buckets
 from .runtime import GuardedCallable, StitchedCallable
 from .split import SplitGraph, split_graph
 from .state import Ambient, classify
@@ -114,9 +115,22 @@ def _plan_with_layout(
     layout = layout_graph(gm, Ambient.capture())
     params = find_params(gm, layout.nodes, example_inputs, names=names, ddp_ignored=ignored)
     plan = plan_buckets(
-        layout, params, config.caps(ddp_module), graph_name=graph_name, min_piece_bytes=config.min_piece_bytes
+        layout, params, config.caps(ddp_module), graph_name=graph_name, min_piece_bytes=config.min_piece_bytes,
+        costs=_cost_inputs(gm, layout, example_inputs, config) if config.sized_by_cost else None,
     )
     return plan, layout
+
+
+def _cost_inputs(
+    gm: fx.GraphModule, layout: GraphLayout, example_inputs: Sequence[Any], config: SplitConfig
+) -> CostInputs:
+    """What ``min_piece_mb="auto"`` groups by (Note [Piece cost model] in cost.py)."""
+    device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    return CostInputs(
+        node_backward_s=node_backward_s(layout.nodes, gm, device_rates(device)),
+        fixed_s=fixed_cost_s(config.inner),
+        link_bytes_per_s=None if config.link_gbps is None else config.link_gbps * 1e9,
+    )
 
 
 def _ddp_optimizer_piece_plan(gm: fx.GraphModule, config: SplitConfig, graph_name: str) -> SplitPlan:

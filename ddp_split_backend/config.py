@@ -3,7 +3,7 @@
 Example::
 
     >>> SplitConfig.from_options({"inner": "aot_eager", "bucket_cap_mb": 8})
-    SplitConfig(inner='aot_eager', bucket_cap_mb=8, first_bucket_cap_mb=None, min_piece_mb=None, reuse_identical_pieces=None, mode=None, inner_options=None, on_inner_failure='eager')
+    SplitConfig(inner='aot_eager', bucket_cap_mb=8, first_bucket_cap_mb=None, min_piece_mb=None, link_gbps=None, reuse_identical_pieces=None, mode=None, inner_options=None, on_inner_failure='eager')
 """
 
 from __future__ import annotations
@@ -70,12 +70,18 @@ class SplitConfig:
     """Bucket capacity in MiB. ``None``: the active DDP module's cap, else DDP's default (25)."""
     first_bucket_cap_mb: float | None = None
     """First-bucket capacity in MiB. ``None``: DDP's first-bucket size, clamped to the cap."""
-    min_piece_mb: float | None = None
+    min_piece_mb: float | str | None = None
     """Group consecutive buckets into pieces of at least this many MiB (never cutting inside a
-    bucket; DDP's buckets stay as they are). ``None``: one piece per bucket. Fewer pieces
-    cost less per step (each piece is one autograd node and one inner-backend call) and
-    fuse across more layers; more pieces start communication earlier. See "Choosing pieces"
-    in docs/performance.md."""
+    bucket; DDP's buckets stay as they are). ``None``: one piece per bucket. ``"auto"``: the
+    grouping with the smallest predicted step time, from each bucket's estimated backward,
+    the measured fixed cost of a piece and ``link_gbps`` (Note [Choosing pieces by cost] in
+    plan.py). Fewer pieces cost less per step (each piece is one autograd node and one
+    inner-backend call); more pieces start communication earlier. See "Choosing pieces" in
+    docs/performance.md."""
+    link_gbps: float | None = None
+    """With ``min_piece_mb="auto"``: how many GB/s the gradient allreduce moves (bucket bytes
+    over this is its time; ``float("inf")``: communication costs nothing). ``None``: assume
+    each bucket's communication takes as long as its backward."""
     reuse_identical_pieces: bool | None = None
     """Compile pieces with the same ops and input metadata once (repeated transformer blocks).
     ``None``: on for registered backend names, off for callables (which may record or
@@ -96,7 +102,9 @@ class SplitConfig:
         _check_inner(self.inner)
         _check_size("bucket_cap_mb", self.bucket_cap_mb)
         _check_size("first_bucket_cap_mb", self.first_bucket_cap_mb)
-        _check_size("min_piece_mb", self.min_piece_mb, unset="one piece per bucket")
+        if self.min_piece_mb != "auto":
+            _check_size("min_piece_mb", self.min_piece_mb, unset="one piece per bucket", also="'auto'")
+        _check_link(self.link_gbps, self.min_piece_mb)
         if self.on_inner_failure not in INNER_FAILURE_CHOICES:
             raise SplitConfigError(
                 f"ddp_split option 'on_inner_failure' must be one of "
@@ -152,8 +160,15 @@ class SplitConfig:
 
     @property
     def min_piece_bytes(self) -> int | None:
-        """``min_piece_mb`` in bytes."""
-        return None if self.min_piece_mb is None else max(1, int(self.min_piece_mb * MIB))
+        """``min_piece_mb`` in bytes (``None`` when unset or ``"auto"``)."""
+        if self.min_piece_mb is None or self.min_piece_mb == "auto":
+            return None
+        return max(1, int(self.min_piece_mb * MIB))
+
+    @property
+    def sized_by_cost(self) -> bool:
+        """``min_piece_mb="auto"``: pieces grouped by predicted step time."""
+        return self.min_piece_mb == "auto"
 
     def caps(self, ddp_module: torch.nn.Module | None = None) -> BucketCaps:
         """Resolve capacities in bytes, reading the active DDP module where options are unset."""
@@ -174,14 +189,30 @@ class SplitConfig:
         return BucketCaps(first_bytes=max(1, min(first, cap)), bytes=cap)
 
 
-def _check_size(name: str, value: object, unset: str = "DDP's default") -> None:
+def _check_size(name: str, value: object, unset: str = "DDP's default", also: str = "") -> None:
     if value is None:
         return
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not ok or not math.isfinite(value) or value <= 0:  # type: ignore[arg-type]
         raise SplitConfigError(
-            f"ddp_split option {name!r} must be a positive, finite number of MiB, got "
-            f"{value!r}. Use e.g. {name}=25, or leave it out for {unset}."
+            f"ddp_split option {name!r} must be a positive, finite number of MiB{' or ' + also if also else ''}, "
+            f"got {value!r}. Use e.g. {name}=25, or leave it out for {unset}."
+        )
+
+
+def _check_link(value: object, min_piece_mb: object) -> None:
+    if value is None:
+        return
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+    if not ok or value <= 0:  # type: ignore[operator]
+        raise SplitConfigError(
+            f"ddp_split option 'link_gbps' must be a positive number of GB/s (or float('inf') for an "
+            f"instant link), got {value!r}. Use e.g. link_gbps=10, or leave it out."
+        )
+    if min_piece_mb != "auto":
+        raise SplitConfigError(
+            f"ddp_split option 'link_gbps'={value!r} only sizes pieces with min_piece_mb='auto', but "
+            f"min_piece_mb is {min_piece_mb!r}. Set min_piece_mb='auto' or leave link_gbps out."
         )
 
 

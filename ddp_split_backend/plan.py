@@ -37,10 +37,27 @@ ready last) keeps what is left, however small: its communication can never overl
 small last piece is the cheap one. Grouping only removes cuts between buckets, so no cut
 ever falls inside a bucket and DDP's buckets are unchanged; each piece's buckets still
 launch together, as soon as that piece's backward has run.
+
+Note [Choosing pieces by cost]
+------------------------------
+``min_piece_mb="auto"`` groups consecutive buckets by predicted step time instead of by
+bytes. Backward visits the pieces last first; piece j's buckets are ready when its backward
+has run, after every piece before it in backward order, each of which also paid the fixed
+cost of a piece (Note [Piece cost model] in ``cost.py``). One link sends buckets in the order
+they are ready, so piece j's communication ends at ``max(end of j - 1's, ready_j) + comm_j``;
+the step ends when the last communication does, and every piece's forward pays its fixed
+cost too. For a given number of pieces, the earliest end over the first i buckets only
+depends on the earliest end over a shorter prefix, so an exact dynamic programme over
+(buckets consumed, pieces used) finds the grouping with the smallest predicted step.
+Communication per bucket is its bytes over ``link_gbps`` when given (``inf``: an instant
+link); without it, each bucket's communication is assumed to take as long as its backward.
+Grouping never cuts inside a bucket: it only chooses which bucket boundaries to keep.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .config import BucketCaps
@@ -51,7 +68,9 @@ __all__ = [
     "AdjustReason",
     "BoundaryAdjustment",
     "BucketPlan",
+    "CostInputs",
     "PiecePlan",
+    "PieceSizing",
     "SplitPlan",
     "StateSpan",
     "plan_buckets",
@@ -132,6 +151,44 @@ class PiecePlan:
 
 
 @dataclass(frozen=True, slots=True)
+class CostInputs:
+    """What ``min_piece_mb="auto"`` knows (Note [Choosing pieces by cost])."""
+
+    node_backward_s: tuple[float, ...]
+    """Estimated backward seconds of each compute node (``GraphLayout.nodes`` order)."""
+    fixed_s: float
+    """One piece's fixed cost per step (forward and backward together)."""
+    link_bytes_per_s: float | None
+    """``link_gbps`` in bytes per second; ``None``: communication as long as backward."""
+
+
+@dataclass(frozen=True, slots=True)
+class PieceSizing:
+    """Why ``min_piece_mb="auto"`` grouped the buckets as it did: its predictions."""
+
+    bucket_backward_s: tuple[float, ...]
+    """Estimated backward seconds per bucket, in forward order."""
+    bucket_comm_s: tuple[float, ...]
+    """Communication seconds per bucket (assumed or from ``link_gbps``)."""
+    fixed_s: float
+    link: str
+    """Where the communication times came from, for people."""
+    predicted_s: float
+    """Predicted step (fixed costs, backward, communication left after it) of the choice."""
+    one_per_bucket_s: float
+    one_piece_s: float
+
+    def describe(self) -> str:
+        ms = 1e3
+        return (
+            f"auto: predicted step {self.predicted_s * ms:.2f} ms (one piece per bucket "
+            f"{self.one_per_bucket_s * ms:.2f} ms, one piece {self.one_piece_s * ms:.2f} ms); "
+            f"fixed cost {self.fixed_s * ms:.3f} ms per piece; backward {sum(self.bucket_backward_s) * ms:.2f} ms "
+            f"estimated; communication {sum(self.bucket_comm_s) * ms:.2f} ms ({self.link})"
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class SplitPlan:
     """Where one Dynamo graph is cut. Returned by :func:`ddp_split_backend.plan_split`."""
 
@@ -148,6 +205,8 @@ class SplitPlan:
     notes: tuple[str, ...] = field(default=())
     min_piece_bytes: int | None = None
     """``min_piece_mb`` in bytes: buckets are grouped into pieces of at least this size."""
+    sizing: PieceSizing | None = None
+    """``min_piece_mb="auto"``: the predictions the grouping was chosen by."""
 
     @property
     def pieces(self) -> tuple[PiecePlan, ...]:
@@ -165,28 +224,44 @@ class SplitPlan:
     def adjustments(self) -> tuple[BoundaryAdjustment, ...]:
         return tuple(a for b in self.buckets for a in b.adjustments)
 
+    def _piece_backward_ms(self) -> dict[int, float]:
+        """Estimated backward ms per piece, when the plan was sized by cost."""
+        if self.sizing is None:
+            return {}
+        per_piece: dict[int, float] = {}
+        for b, seconds in zip(self.buckets, self.sizing.bucket_backward_s, strict=True):
+            per_piece[b.piece] = per_piece.get(b.piece, 0.0) + seconds * 1e3
+        return per_piece
+
     def table(self) -> str:
         """The plan as a text table (what ``TORCH_LOGS=ddp_split`` prints)."""
         pieces = self.pieces
         grouped = len(pieces) != len(self.buckets)
-        rows = [("piece", "buckets" if grouped else "bucket", "bytes", "nodes", "parameters")]
+        rows = [("piece", "buckets" if grouped else "bucket", "bytes", "nodes", "bwd ms", "parameters")]
+        backward = self._piece_backward_ms()
         for p in pieces:
             rows.append(
-                (str(p.piece), p.bucket_label, f"{p.nbytes:,}", str(p.node_count), ", ".join(p.params) or "-")
+                (str(p.piece), p.bucket_label, f"{p.nbytes:,}", str(p.node_count),
+                 f"{backward[p.piece]:.2f}" if backward else "-", ", ".join(p.params) or "-")
             )
-        widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        grouping = (
-            f", {len(self.buckets)} buckets, min piece {self.min_piece_bytes:,} B"
-            if self.min_piece_bytes is not None
-            else ""
-        )
+        if not backward:
+            rows = [r[:4] + r[5:] for r in rows]
+        columns = len(rows[0]) - 1
+        widths = [max(len(r[i]) for r in rows) for i in range(columns)]
+        grouping = ""
+        if self.min_piece_bytes is not None:
+            grouping = f", {len(self.buckets)} buckets, min piece {self.min_piece_bytes:,} B"
+        elif self.sizing is not None:
+            grouping = f", {len(self.buckets)} buckets grouped by predicted cost (min_piece_mb='auto')"
         lines = [
             f"ddp_split plan {self.graph_name or ''} ({self.source}): {len(pieces)} pieces, "
             f"{self.node_count} nodes, cap {self.caps.bytes:,} B, first cap {self.caps.first_bytes:,} B"
             f"{grouping}"
         ]
         for r in rows:
-            lines.append("  ".join(r[i].rjust(widths[i]) for i in range(4)) + "  " + r[4])
+            lines.append("  ".join(r[i].rjust(widths[i]) for i in range(columns)) + "  " + r[columns])
+        if self.sizing is not None:
+            lines.append("  " + self.sizing.describe())
         for b in self.buckets:
             for a in b.adjustments:
                 lines.append(f"  piece {b.piece}: {a.describe()}")
@@ -217,8 +292,10 @@ def plan_buckets(
     *,
     graph_name: str = "",
     min_piece_bytes: int | None = None,
+    costs: CostInputs | None = None,
 ) -> SplitPlan:
-    """Choose the cuts of a graph (see Note [Bucket plan] and Note [Pieces and buckets])."""
+    """Choose the cuts of a graph (see Note [Bucket plan] and Note [Pieces and buckets]);
+    with ``costs``, group buckets by predicted step time (Note [Choosing pieces by cost])."""
     nodes = layout.nodes
     count = len(nodes)
     completed = params.completed_at()
@@ -266,7 +343,12 @@ def plan_buckets(
         folded = BoundaryAdjustment(AdjustReason.LEADING_NO_PARAMS, nodes[second.start].name, None)
         built[:2] = [_Bucket(0, second.nbytes, first.names + second.names, (*first.adjustments, *second.adjustments, folded))]
 
-    piece_of = _group_buckets([b.nbytes for b in built], min_piece_bytes)
+    stops = [b.start for b in built[1:]] + [count]
+    sizing = None
+    if costs is not None:
+        piece_of, sizing = _group_by_cost([(b.start, stop, b.nbytes) for b, stop in zip(built, stops)], costs)
+    else:
+        piece_of = _group_buckets([b.nbytes for b in built], min_piece_bytes)
     buckets = []
     for index, found in enumerate(built):
         stop = built[index + 1].start if index + 1 < len(built) else count
@@ -289,6 +371,7 @@ def plan_buckets(
         graph_name=graph_name,
         state_spans=state_spans(layout),
         min_piece_bytes=min_piece_bytes,
+        sizing=sizing,
     )
 
 
@@ -306,3 +389,87 @@ def _group_buckets(sizes: list[int], min_piece_bytes: int | None) -> list[int]:
         held += size
     last = group_of_reversed[-1] if group_of_reversed else 0
     return [last - g for g in reversed(group_of_reversed)]
+
+
+def _group_by_cost(
+    buckets: Sequence[tuple[int, int, int]], costs: CostInputs
+) -> tuple[list[int], PieceSizing]:
+    """The piece of each bucket (forward order) minimising the predicted step (Note
+    [Choosing pieces by cost]); ``buckets`` holds (start node, stop node, bytes)."""
+    backward = [sum(costs.node_backward_s[start:stop]) for start, stop, _ in buckets]
+    if costs.link_bytes_per_s is None:
+        comm, link = list(backward), "assumed as long as each bucket's backward; set link_gbps to say"
+    elif math.isinf(costs.link_bytes_per_s):
+        comm, link = [0.0] * len(buckets), "link_gbps=inf: instant"
+    else:
+        comm = [nbytes / costs.link_bytes_per_s for _, _, nbytes in buckets]
+        link = f"link_gbps={costs.link_bytes_per_s / 1e9:g}"
+    sizes = _best_grouping(backward[::-1], comm[::-1], costs.fixed_s)
+    piece_of_reversed = [g for g, size in enumerate(sizes) for _ in range(size)]
+    last = len(sizes) - 1
+    piece_of = [last - g for g in reversed(piece_of_reversed)]
+    sizing = PieceSizing(
+        bucket_backward_s=tuple(backward),
+        bucket_comm_s=tuple(comm),
+        fixed_s=costs.fixed_s,
+        link=link,
+        predicted_s=_predicted_step(backward[::-1], comm[::-1], costs.fixed_s, sizes),
+        one_per_bucket_s=_predicted_step(backward[::-1], comm[::-1], costs.fixed_s, [1] * len(buckets)),
+        one_piece_s=_predicted_step(backward[::-1], comm[::-1], costs.fixed_s, [len(buckets)]),
+    )
+    return piece_of, sizing
+
+
+_BACKWARD_SHARE = 0.6
+"""Share of a piece's fixed cost paid in backward (AOTAutograd's backward wrapper is the
+larger part: RESULTS.md, "Where the split's cost goes")."""
+_WIDEST = 48
+"""Largest group the search considers when a graph has more buckets than this (keeps it
+O(buckets^2 x widest))."""
+
+
+def _predicted_step(backward: Sequence[float], comm: Sequence[float], fixed: float, sizes: Sequence[int]) -> float:
+    """Predicted step of groups of ``sizes`` buckets, everything in backward order."""
+    ready = link = 0.0
+    i = 0
+    for size in sizes:
+        ready += sum(backward[i:i + size]) + _BACKWARD_SHARE * fixed
+        link = max(link, ready) + sum(comm[i:i + size])
+        i += size
+    return link + (1 - _BACKWARD_SHARE) * fixed * len(sizes)
+
+
+def _best_grouping(backward: Sequence[float], comm: Sequence[float], fixed: float) -> list[int]:
+    """Group sizes (backward order) with the smallest :func:`_predicted_step`, exactly."""
+    n = len(backward)
+    if n <= 1:
+        return [n] if n else []
+    widest = n if n <= _WIDEST else _WIDEST
+    before = [0.0]
+    for t in backward:
+        before.append(before[-1] + t)
+    sent = [0.0]
+    for c in comm:
+        sent.append(sent[-1] + c)
+    inf = math.inf
+    # end[m][i]: earliest end of communication with the first i buckets in m pieces.
+    end = [[inf] * (n + 1) for _ in range(n + 1)]
+    choice = [[0] * (n + 1) for _ in range(n + 1)]
+    end[0][0] = 0.0
+    for m in range(1, n + 1):
+        for i in range(m, n + 1):
+            ready = before[i] + m * _BACKWARD_SHARE * fixed
+            for j in range(max(m - 1, i - widest), i):
+                prev = end[m - 1][j]
+                if prev == inf:
+                    continue
+                candidate = max(prev, ready) + sent[i] - sent[j]
+                if candidate < end[m][i]:
+                    end[m][i], choice[m][i] = candidate, j
+    pieces = min(range(1, n + 1), key=lambda m: end[m][n] + (1 - _BACKWARD_SHARE) * fixed * m)
+    sizes, i = [], n
+    for m in range(pieces, 0, -1):
+        j = choice[m][i]
+        sizes.append(i - j)
+        i = j
+    return sizes[::-1]

@@ -1,0 +1,189 @@
+"""What a piece costs per step, estimated before anything is compiled (``min_piece_mb="auto"``).
+
+Note [Piece cost model]
+-----------------------
+Each piece adds a *fixed* cost per step, whatever it computes: one AOTAutograd runtime
+wrapper and autograd Function forward and backward, one more autograd node, and one turn of
+ddp_split's loop. ``benchmarks/profile_ops.py`` measured where it goes (RESULTS.md, "Where
+the split's cost goes": AOTAutograd's wrappers 0.29 ms, the engine 0.05 ms, our loop 0.055 ms
+per piece on the project CPU), and ``benchmarks/step_overhead.py`` measured it whole per inner
+backend (:data:`FIXED_COST_S`). It is host (Python) time, so it is scaled by how fast this
+host runs Python relative to the machine it was measured on (:func:`host_speed`).
+
+A bucket's *backward* time is estimated from what its nodes compute, read off the example
+values Dynamo recorded (fake tensors, no compute): matrix products and convolutions by their
+FLOPs, and every node by the bytes it reads and writes and one op's launch; backward does
+about twice forward's work (gradients with respect to inputs and weights). These become
+seconds through this device's measured rates (:func:`device_rates`: a matmul, a copy and a
+tiny op, timed once per device and thread count).
+
+The estimates are for choosing a grouping, not for reporting: they only need to rank
+groupings the way the real step times would.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from . import _torch
+
+__all__ = ["FIXED_COST_S", "DeviceRates", "device_rates", "fixed_cost_s", "host_speed", "node_backward_s"]
+
+FIXED_COST_S = {"inductor": 0.18e-3, "aot_eager": 0.31e-3}
+"""Per-step cost of one piece, measured on the project CPU (RESULTS.md 14.1, 2026-12-04:
+(x1 - x32) / 31 on the overhead model). Other inner backends use the larger one."""
+_REFERENCE_HOST_S = 5.5e-8
+""":func:`_python_probe`'s time on the machine :data:`FIXED_COST_S` was measured on (the
+project CPU, best of 5, 2026-12-05)."""
+
+_MATMULS = {torch.matmul, operator.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm, torch.addbmm}
+_MATMUL_METHODS = {"matmul", "mm", "bmm", "addmm", "baddbmm", "__matmul__"}
+_CONVS = {torch.conv1d, torch.conv2d, torch.conv3d, F.conv1d, F.conv2d, F.conv3d,
+          torch.conv_transpose1d, torch.conv_transpose2d, torch.conv_transpose3d}
+_LINEARS = {F.linear}  # the builtin Dynamo records for F.linear and nn.Linear
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceRates:
+    """How fast this device computes, measured."""
+
+    flops_per_s: float
+    bytes_per_s: float
+    op_s: float
+    """One small op from Python (dispatch and launch, no work)."""
+
+
+_RATES: dict[tuple[str, int], DeviceRates] = {}
+_HOST: list[float] = []
+
+
+def _value(arg: Any) -> Any:
+    return arg.meta.get("example_value", arg.meta.get("val")) if isinstance(arg, fx.Node) else arg
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [v for v in _torch.pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]
+
+
+def _numel(t: torch.Tensor) -> float:
+    try:
+        return float(math.prod(int(s) for s in t.shape))
+    except (TypeError, ValueError):  # unbacked or symbolic sizes: count them as 1
+        return 1.0
+
+
+def _forward_flops(node: fx.Node, gm: fx.GraphModule) -> float:
+    """FLOPs of one call, for the ops that dominate compute (others: 0)."""
+    target = node.target
+    out = _tensors(_value(node))
+    args = [_value(a) for a in node.args]
+    if node.op == "call_module":
+        target = type(gm.get_submodule(str(node.target)))
+        if target is torch.nn.Linear:
+            target = F.linear
+        elif target in (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d):
+            weight = gm.get_submodule(str(node.target)).weight
+            return 2.0 * sum(_numel(o) for o in out) * _numel(weight) / max(1, weight.shape[0])
+    if not out:
+        return 0.0
+    if target in _LINEARS and args and isinstance(args[0], torch.Tensor):
+        return 2.0 * _numel(out[0]) * int(args[0].shape[-1])
+    if (target in _MATMULS or (node.op == "call_method" and target in _MATMUL_METHODS)) and args:
+        first = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), None)
+        return 2.0 * _numel(out[0]) * int(first.shape[-1]) if first is not None else 0.0
+    if target in _CONVS and len(args) > 1 and isinstance(args[1], torch.Tensor):
+        weight = args[1]
+        return 2.0 * _numel(out[0]) * _numel(weight) / max(1, int(weight.shape[0]))
+    if target is F.scaled_dot_product_attention and len(args) > 1:
+        query, key = args[0], args[1]
+        if isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor):
+            return 4.0 * _numel(query) * int(key.shape[-2])
+    return 0.0
+
+
+def node_backward_s(nodes: Sequence[fx.Node], gm: fx.GraphModule, rates: DeviceRates) -> tuple[float, ...]:
+    """Estimated backward seconds of each node (Note [Piece cost model]): twice its forward's
+    FLOPs and bytes (read and written), plus one op's fixed launch cost."""
+    seconds = []
+    for node in nodes:
+        flops = _forward_flops(node, gm)
+        inputs = [t for a in node.args for t in _tensors(_value(a))]
+        moved = sum(_numel(t) * t.element_size() for t in inputs + _tensors(_value(node)))
+        seconds.append(2.0 * (flops / rates.flops_per_s + moved / rates.bytes_per_s + rates.op_s))
+    return tuple(seconds)
+
+
+def device_rates(device: torch.device) -> DeviceRates:
+    """Matmul FLOPs and copy bytes per second on ``device``, and one small op's time
+    (measured once per device and thread count, with autocast off and no autograd; tens of
+    ms). On the CPU the kernels are timed on one thread and scaled by the thread count: with
+    every thread, another process starting up (inductor's compile workers do, at the first
+    compile) can slow a multi-threaded matmul tenfold, one thread only by its share."""
+    threads = torch.get_num_threads()
+    key = (str(device), threads)
+    if key not in _RATES:
+        with _torch.unset_fake_mode(), torch.no_grad(), torch.autocast(device.type, enabled=False):
+            if device.type == "cpu":
+                torch.set_num_threads(1)
+            try:
+                n = 1024 if device.type == "cuda" else 256
+                a = torch.randn(n, n, device=device)
+                big = torch.empty(2**20, device=device)
+                small = torch.empty(16, device=device)
+                matmul = _best_of(lambda: a @ a, device)
+                copy = _best_of(lambda: big.clone(), device)
+                op = _best_of(lambda: small.add(1.0), device, repeats=50)
+            finally:
+                torch.set_num_threads(threads)
+        scale = threads if device.type == "cpu" else 1
+        _RATES[key] = DeviceRates(
+            flops_per_s=scale * 2.0 * n**3 / matmul, bytes_per_s=2.0 * big.numel() * 4 / copy, op_s=op
+        )
+    return _RATES[key]
+
+
+def _best_of(fn: Any, device: torch.device, repeats: int = 5) -> float:
+    fn()
+    best = math.inf
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return max(best, 1e-9)
+
+
+def _python_probe() -> float:
+    """Seconds per turn of a small pure-Python loop (dict lookups, calls)."""
+    table = {i: i for i in range(64)}
+    start = time.perf_counter()
+    total = 0
+    for i in range(20_000):
+        total += table[i & 63]
+    return (time.perf_counter() - start) / 20_000
+
+
+def host_speed() -> float:
+    """This host's Python speed relative to the machine :data:`FIXED_COST_S` was measured on
+    (> 1: slower), from the best of a few short probes (measured once)."""
+    if not _HOST:
+        _HOST.append(min(_python_probe() for _ in range(5)) / _REFERENCE_HOST_S)
+    return _HOST[0]
+
+
+def fixed_cost_s(inner: object) -> float:
+    """One piece's fixed cost per step with this inner backend on this host."""
+    name = inner if isinstance(inner, str) else None
+    return FIXED_COST_S.get(name, max(FIXED_COST_S.values())) * host_speed()
