@@ -22,7 +22,7 @@ from ddp_split_backend.plan import _best_grouping, _predicted_step
 
 from .models import MLP
 from .multiproc import run_ranks
-from .test_pieces import CAP_MB, _dynamo_graph
+from .test_pieces import CAP_MB, _dynamo_graph, _grouped_sgd_worker
 
 
 def _compositions(n: int):
@@ -132,40 +132,13 @@ def test_auto_by_name_matches_eager_ddp(world1) -> None:
     assert len(plan.pieces) > 1 and len(plan.pieces[-1].buckets) == 1, plan.table()
 
 
-def _auto_worker(rank: int, world: int, steps: int = 3) -> dict:
-    import ddp_split_backend
-    from ddp_split_backend import ddp_split
-    from tests.models import MLP
-
-    torch.manual_seed(0)
-    base = MLP(width=64, depth=8)
-    eager = DDP(copy.deepcopy(base), bucket_cap_mb=CAP_MB)
-    split = torch.compile(DDP(copy.deepcopy(base), bucket_cap_mb=CAP_MB), backend="ddp_split",
-                          options={"inner": "aot_eager", "min_piece_mb": "auto"})
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, split)]
-    torch.manual_seed(100 + rank)
-    batches = [torch.randn(8, 64) for _ in range(steps)]
-    with ddp_split_backend.own_split():
-        for x in batches:
-            for model, opt in zip((eager, split), optimizers):
-                opt.zero_grad()
-                model(x).pow(2).mean().backward()
-                opt.step()
-    plan = ddp_split.records[-1].plan
-    return {
-        "eager": [p.detach().clone() for p in eager.parameters()],
-        "split": [p.detach().clone() for p in split.parameters()],
-        "auto": plan.sizing is not None,
-    }
-
-
 @pytest.mark.multiprocess
 def test_two_ranks_auto_matches_eager_ddp(tmp_path) -> None:
     """Each rank times its own device, so ranks may group differently; DDP's buckets, and so
     the gradients, are the same whatever the grouping."""
-    results = run_ranks(_auto_worker, tmp_path, world=2)
+    results = run_ranks(_grouped_sgd_worker, tmp_path, world=2, min_piece_mb="auto")
     for result in results:
-        assert result["auto"]
+        assert result["sized_by_cost"]
         for a, e in zip(result["split"], result["eager"], strict=True):
             torch.testing.assert_close(a, e)
     for a, b in zip(results[0]["split"], results[1]["split"], strict=True):

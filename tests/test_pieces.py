@@ -103,7 +103,7 @@ def test_grouped_pieces_by_name_match_eager_ddp_and_keep_ddp_buckets(world1) -> 
     assert len(reducer_bucket_names(split_ddp)) == len(plan.buckets) == 8
 
 
-def _grouped_sgd_worker(rank: int, world: int, steps: int = 3) -> dict:
+def _grouped_sgd_worker(rank: int, world: int, steps: int = 3, min_piece_mb: float | str = 0.04) -> dict:
     import ddp_split_backend
     from ddp_split_backend import ddp_split
     from tests.models import MLP
@@ -114,7 +114,7 @@ def _grouped_sgd_worker(rank: int, world: int, steps: int = 3) -> dict:
     split = torch.compile(
         DDP(copy.deepcopy(base), bucket_cap_mb=CAP_MB),
         backend="ddp_split",
-        options={"inner": "aot_eager", "min_piece_mb": 0.04},
+        options={"inner": "aot_eager", "min_piece_mb": min_piece_mb},
     )
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, split)]
     torch.manual_seed(100 + rank)  # each rank sees different data
@@ -130,6 +130,7 @@ def _grouped_sgd_worker(rank: int, world: int, steps: int = 3) -> dict:
         "eager": [p.detach().clone() for p in eager.parameters()],
         "split": [p.detach().clone() for p in split.parameters()],
         "pieces": [[b.bucket for b in p.buckets] for p in plan.pieces],
+        "sized_by_cost": plan.sizing is not None,
     }
 
 
