@@ -23,6 +23,7 @@ groupings the way the real step times would.
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 import time
@@ -63,7 +64,6 @@ class DeviceRates:
 
 
 _RATES: dict[tuple[str, int], DeviceRates] = {}
-_HOST: list[float] = []
 
 
 def _value(arg: Any) -> Any:
@@ -175,12 +175,11 @@ def _python_probe() -> float:
     return (time.perf_counter() - start) / 20_000
 
 
+@functools.cache
 def host_speed() -> float:
     """This host's Python speed relative to the machine :data:`FIXED_COST_S` was measured on
     (> 1: slower), from the best of a few short probes (measured once)."""
-    if not _HOST:
-        _HOST.append(min(_python_probe() for _ in range(5)) / _REFERENCE_HOST_S)
-    return _HOST[0]
+    return min(_python_probe() for _ in range(5)) / _REFERENCE_HOST_S
 
 
 def fixed_cost_s(inner: object) -> float:

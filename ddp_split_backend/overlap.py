@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from . import _torch
 
@@ -186,13 +187,6 @@ class _Clock:
         return start.elapsed_time(end) / 1e3
 
 
-def _allreduce_mean(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP's default: average the bucket over the process group (``state``: the group)."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-    return allreduce_hook(state, bucket)
-
-
 class OverlapWatch:
     """The comm hook and step hooks of :func:`watch_overlap`; :meth:`report` reads them."""
 
@@ -315,7 +309,7 @@ def watch_overlap(
     for name, value in (("warmup", warmup), ("steps", steps)):
         if not isinstance(value, int) or value < (1 if name == "steps" else 0):
             raise ValueError(f"watch_overlap: {name} must be an int >= {1 if name == 'steps' else 0}, got {value!r}")
-    watch = OverlapWatch(ddp, hook or _allreduce_mean, state, warmup, steps)
+    watch = OverlapWatch(ddp, hook or allreduce_hook, state, warmup, steps)
     ddp.register_comm_hook(None, watch.comm_hook)
     return watch
 

@@ -404,7 +404,8 @@ def _group_by_cost(
     else:
         comm = [nbytes / costs.link_bytes_per_s for _, _, nbytes in buckets]
         link = f"link_gbps={costs.link_bytes_per_s / 1e9:g}"
-    sizes = _best_grouping(backward[::-1], comm[::-1], costs.fixed_s)
+    in_backward = (backward[::-1], comm[::-1], costs.fixed_s)  # backward visits the last bucket first
+    sizes = _best_grouping(*in_backward)
     piece_of_reversed = [g for g, size in enumerate(sizes) for _ in range(size)]
     last = len(sizes) - 1
     piece_of = [last - g for g in reversed(piece_of_reversed)]
@@ -413,9 +414,9 @@ def _group_by_cost(
         bucket_comm_s=tuple(comm),
         fixed_s=costs.fixed_s,
         link=link,
-        predicted_s=_predicted_step(backward[::-1], comm[::-1], costs.fixed_s, sizes),
-        one_per_bucket_s=_predicted_step(backward[::-1], comm[::-1], costs.fixed_s, [1] * len(buckets)),
-        one_piece_s=_predicted_step(backward[::-1], comm[::-1], costs.fixed_s, [len(buckets)]),
+        predicted_s=_predicted_step(*in_backward, sizes),
+        one_per_bucket_s=_predicted_step(*in_backward, [1] * len(buckets)),
+        one_piece_s=_predicted_step(*in_backward, [len(buckets)]),
     )
     return piece_of, sizing
 
