@@ -43,7 +43,7 @@ from torch.fx.passes.split_module import split_module
 
 from _common import environment
 from ddp_split_backend import SplitConfig, plan_split
-from ddp_split_backend.backend import _plan_with_layout
+from ddp_split_backend.backend import _plan_graph
 from ddp_split_backend.layout import layout_graph
 from ddp_split_backend.params import find_params
 from ddp_split_backend.plan import plan_buckets
@@ -153,8 +153,8 @@ def measure(nodes: int, args: argparse.Namespace) -> dict[str, Any]:
     )
 
     def ddp_split_backend_path() -> Any:
-        p, lay = _plan_with_layout(gm, example_inputs, config, None, "")  # the backend's own path
-        return split_graph(gm, lay, p.cuts)
+        planned = _plan_graph(gm, example_inputs, config, None, "")  # the backend's own path
+        return split_graph(gm, planned.layout, planned.plan.cuts)
 
     def layout_only() -> Any:
         return layout_graph(gm, ambient)

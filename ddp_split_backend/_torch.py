@@ -331,6 +331,9 @@ OpOverloadPacket = _resolve("torch._ops.OpOverloadPacket", "op targets in identi
 free_unbacked_symbols = _resolve(
     "torch.fx.experimental.symbolic_shapes.free_unbacked_symbols", "outputs with piece-made symbols are not shared"
 )
+autograd_engine = _resolve(
+    "torch.autograd.variable.Variable._execution_engine", "min_piece_mb='auto' times DDP's communication after backward"
+)
 inductor_config = _lazy("torch._inductor.config", "checks inner_options keys and value types")
 inductor_list_options = _lazy("torch._inductor.list_options", "the valid inner_options keys")
 inductor_mode_options = _lazy("torch._inductor.list_mode_options", "what each torch.compile mode sets")
@@ -442,6 +445,13 @@ def ddp_ignored(param: torch.Tensor) -> bool:
 def ddp_comm_hooks(ddp: torch.nn.Module) -> tuple[Any, ...]:
     """The comm hooks registered on a DDP module (``ddp._comm_hooks``; DDP takes one)."""
     return tuple(getattr(ddp, "_comm_hooks", ()) or ())
+
+
+def queue_after_backward(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the running backward has finished, after the callbacks queued
+    before it (DDP queues its ``finalize_backward``, which waits for every bucket's
+    communication, once the last bucket is ready)."""
+    autograd_engine.queue_callback(callback)
 
 
 def dynamo_source(node: fx.Node) -> Any:

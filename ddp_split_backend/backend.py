@@ -11,8 +11,11 @@ Example::
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import functools
 import itertools
+import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -22,14 +25,16 @@ import torch
 import torch.fx as fx
 
 from . import _torch
-from .compile import CompiledPieces, InnerCompile, Outcome, PieceRecord, compile_pieces, compile_whole
-from .config import BACKEND_NAME, SplitConfig
-from .diagnostics import log_compiled
-from .inner import inner_compile
-from .layout import GraphLayout, layout_graph
-from .params import find_params
+from .compile import CompiledPieces, InnerCompile, Outcome, PieceRecord, compile_pieces, compile_whole, copy_module
+from .config import BACKEND_NAME, BucketCaps, SplitConfig
 from .cost import device_rates, fixed_cost_s, node_backward_s
-from .plan import BucketPlan, CostInputs, SplitPlan, plan_buckets
+from .diagnostics import log_compiled
+from .guards import preserve_global_state, track_state_calls
+from .inner import inner_compile, inductor_patches
+from .layout import GraphLayout, layout_graph
+from .params import ParamTable, find_params
+from .plan import BACKWARD_SHARE, BucketPlan, CostInputs, SplitPlan, plan_buckets
+from .regroup import STEPS_BEFORE_REPLAN, Measurement, RegroupingCallable
 from .runtime import GuardedCallable, StitchedCallable
 from .split import SplitGraph, split_graph
 from .state import Ambient, classify
@@ -98,39 +103,107 @@ def plan_split(
         ddp_module: the DDP module the graph runs under (default: the active one, if any).
 
     Returns:
-        The :class:`SplitPlan`.
+        The :class:`SplitPlan`. With ``min_piece_mb="auto"`` and no ``link_gbps`` this is the
+        static estimate (communication as long as backward): nothing is measured here.
     """
-    return _plan_with_layout(gm, example_inputs, config or SplitConfig(), ddp_module, graph_name)[0]
+    return _plan_graph(gm, example_inputs, config or SplitConfig(), ddp_module, graph_name, measure=False).plan
 
 
-def _plan_with_layout(
+@dataclass(frozen=True, slots=True)
+class _Planned:
+    """A graph's plan and what it was made from (a later re-plan starts from it)."""
+
+    plan: SplitPlan
+    layout: GraphLayout
+    params: ParamTable
+    caps: BucketCaps
+    ddp_module: torch.nn.Module | None
+    costs: CostInputs | None
+    measures_link: bool
+    """Compiled as one piece until the first steps were measured (Note [Measuring the link])."""
+
+
+def _plan_graph(
     gm: fx.GraphModule,
     example_inputs: Sequence[Any],
     config: SplitConfig,
     ddp_module: torch.nn.Module | None,
     graph_name: str,
-) -> tuple[SplitPlan, GraphLayout]:
+    *,
+    measure: bool = True,
+) -> _Planned:
     ddp_module = ddp_module if ddp_module is not None else _torch.active_ddp_module()
     names, ignored = _ddp_names(ddp_module)
     layout = layout_graph(gm, Ambient.capture())
     params = find_params(gm, layout.nodes, example_inputs, names=names, ddp_ignored=ignored)
+    caps = config.caps(ddp_module)
+    measures = measure and _measures_link(config, ddp_module, example_inputs)
+    costs = _cost_inputs(gm, layout, example_inputs, config, measures) if config.sized_by_cost else None
     plan = plan_buckets(
-        layout, params, config.caps(ddp_module), graph_name=graph_name, min_piece_bytes=config.min_piece_bytes,
-        costs=_cost_inputs(gm, layout, example_inputs, config) if config.sized_by_cost else None,
+        layout, params, caps, graph_name=graph_name, min_piece_bytes=config.min_piece_bytes, costs=costs
     )
-    return plan, layout
+    return _Planned(plan, layout, params, caps, ddp_module, costs, measures and len(plan.buckets) > 1)
+
+
+def _measures_link(config: SplitConfig, ddp_module: torch.nn.Module | None, example_inputs: Sequence[Any]) -> bool:
+    """Whether ``min_piece_mb="auto"`` measures the first steps (Note [Measuring the link]):
+    not when told the link, without DDP (nothing to send), with dynamic shapes (a later
+    compile could not add guards) or CUDA graphs (recorded once, kept)."""
+    if not config.sized_by_cost or config.link_gbps is not None or ddp_module is None:
+        return False
+    if any(_symbolic(v) for v in example_inputs):
+        return False
+    return not inductor_patches(config.mode, config.inner_options).get("triton.cudagraphs", False)
+
+
+def _symbolic(value: Any) -> bool:
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return True
+    return isinstance(value, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in value.shape)
 
 
 def _cost_inputs(
-    gm: fx.GraphModule, layout: GraphLayout, example_inputs: Sequence[Any], config: SplitConfig
+    gm: fx.GraphModule, layout: GraphLayout, example_inputs: Sequence[Any], config: SplitConfig, measures: bool
 ) -> CostInputs:
     """What ``min_piece_mb="auto"`` groups by (Note [Piece cost model] in cost.py)."""
     device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    if measures:  # one piece until measured: the grouping for a link that costs nothing
+        link, source = math.inf, f"not measured yet: one piece for the first {STEPS_BEFORE_REPLAN} training steps"
+    else:
+        link, source = (None if config.link_gbps is None else config.link_gbps * 1e9), None
     return CostInputs(
         node_backward_s=node_backward_s(layout.nodes, gm, device_rates(device)),
         fixed_s=fixed_cost_s(config.inner),
-        link_bytes_per_s=None if config.link_gbps is None else config.link_gbps * 1e9,
+        link_bytes_per_s=link,
+        link_source=source,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class _Deferred:
+    """What a graph measured before re-planning needs then (kept until it re-planned)."""
+
+    gm: fx.GraphModule
+    example_inputs: Sequence[Any]
+    planned: _Planned
+    config: SplitConfig
+    inner: InnerCompile
+    context: Any
+    """Dynamo's tracing context of the frame (its fake mode and guards), or ``None``."""
+    compiled: CompiledPieces
+    """The one piece, as first compiled."""
+
+
+def _measuring(fn: Callable[..., Any], deferred: _Deferred, replan: Callable[[Measurement], Any]) -> RegroupingCallable:
+    """``fn`` (the graph as one piece) wrapped to measure its first steps and re-plan."""
+    ddp = deferred.planned.ddp_module
+    assert ddp is not None  # only graphs under DDP are measured
+    names = {use.name for use in deferred.planned.params.params}
+    inner = getattr(ddp, "module", ddp)
+    params = [p for name, p in inner.named_parameters() if _user_fqn(name) in names]
+    grad_bytes = sum(use.nbytes for use in deferred.planned.params.params)
+    eager = GuardedCallable(track_state_calls(copy_module(deferred.gm)), "eager (first step)")
+    return RegroupingCallable(fn, eager=eager, ddp=ddp, params=params, grad_bytes=grad_bytes, replan=replan)
 
 
 def _ddp_optimizer_piece_plan(gm: fx.GraphModule, config: SplitConfig, graph_name: str) -> SplitPlan:
@@ -192,13 +265,41 @@ class DDPSplitBackend:
             return self._finish(plan, None, gm, compile_whole(gm, example_inputs, inner, times), times)
 
         with times.measure("plan"):
-            plan, layout = _plan_with_layout(gm, example_inputs, config, None, graph_name)
+            planned = _plan_graph(gm, example_inputs, config, None, graph_name)
+        plan = planned.plan
         if len(plan.pieces) == 1:
-            return self._finish(plan, None, gm, compile_whole(gm, example_inputs, inner, times), times)
+            compiled = compile_whole(gm, example_inputs, inner, times)
+            fn = self._finish(plan, None, gm, compiled, times)
+            if not planned.measures_link:
+                return fn
+            deferred = _Deferred(gm, example_inputs, planned, config, inner, _torch.TracingContext.try_get(), compiled)
+            return _measuring(fn, deferred, functools.partial(self._replan, deferred))
         with times.measure("split"):
-            split = split_graph(gm, layout, plan.cuts)
+            split = split_graph(gm, planned.layout, plan.cuts)
         compiled = compile_pieces(split, example_inputs, inner, times, reuse=config.reuse)
         return self._finish(plan, split, gm, compiled, times)
+
+    def _replan(self, deferred: _Deferred, measured: Measurement) -> Callable[..., Any] | None:
+        """Group the buckets by what the first steps measured (Note [Measuring the link] in
+        regroup.py): the new pieces' callable, or ``None`` when one piece stays best."""
+        planned, config = deferred.planned, deferred.config
+        assert planned.costs is not None  # measured graphs are sized by cost
+        times = StageTimes()
+        with times.measure("plan"):
+            costs = measured.cost_inputs(planned.costs.node_backward_s, planned.costs.fixed_s, BACKWARD_SHARE)
+            plan = plan_buckets(
+                planned.layout, planned.params, planned.caps, graph_name=f"{planned.plan.graph_name} re-planned",
+                costs=costs,
+            )
+        if len(plan.pieces) == 1:
+            self._finish(plan, None, deferred.gm, deferred.compiled, times)
+            return None
+        with times.measure("split"):
+            split = split_graph(deferred.gm, planned.layout, plan.cuts)
+        context = _torch.tracing(deferred.context) if deferred.context is not None else contextlib.nullcontext()
+        with context, preserve_global_state():
+            compiled = compile_pieces(split, deferred.example_inputs, deferred.inner, times, reuse=config.reuse)
+        return self._finish(plan, split, deferred.gm, compiled, times)
 
     def _configured(self, options: Mapping[str, Any] | None, mode: str | None) -> tuple[SplitConfig, InnerCompile]:
         """The config for ``options`` overlaid on :attr:`config`, and its inner backend:

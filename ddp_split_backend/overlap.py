@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +32,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from . import _torch
+from .clock import Clock
 
 __all__ = ["BucketTiming", "OverlapReport", "OverlapWatch", "StepOverlap", "watch_overlap"]
 
@@ -167,26 +167,6 @@ class _Step:
     buckets: list[_Pending] = field(default_factory=list)
 
 
-class _Clock:
-    """Host time on the CPU; CUDA events on the current stream of a GPU."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def now(self) -> Any:
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def seconds(self, start: Any, end: Any) -> float:
-        if not self.cuda:
-            return end - start
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-
-
 class OverlapWatch:
     """The comm hook and step hooks of :func:`watch_overlap`; :meth:`report` reads them."""
 
@@ -196,7 +176,7 @@ class OverlapWatch:
         self._forwards = 0
         self._measured: list[_Step] = []
         self._current: _Step | None = None
-        self._clock: _Clock | None = None
+        self._clock: Clock | None = None
         self._logged = False
         self._handles = [
             ddp.register_forward_pre_hook(torch.compiler.disable(self._on_forward)),
@@ -230,7 +210,7 @@ class OverlapWatch:
         for leaf in _torch.pytree.tree_leaves(output):
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
                 if self._clock is None:
-                    self._clock = _Clock(leaf.device)
+                    self._clock = Clock(leaf.device)
                 leaf.register_hook(lambda grad, step=step: self._backward_started(step))
 
     def _backward_started(self, step: _Step) -> None:
@@ -241,7 +221,7 @@ class OverlapWatch:
         step = self._current
         if step is None or step.start is None:
             return self.hook(self.state, bucket)
-        clock = self._clock or _Clock(bucket.buffer().device)
+        clock = self._clock or Clock(bucket.buffer().device)
         buffer = bucket.buffer()
         ready = clock.now()
         fut = self.hook(self.state, bucket)
@@ -265,7 +245,7 @@ class OverlapWatch:
     def report(self) -> OverlapReport:
         """The steps measured so far (a step counts once the next forward began or the
         watch was removed)."""
-        clock = self._clock or _Clock(torch.device("cpu"))
+        clock = self._clock or Clock(torch.device("cpu"))
         steps = []
         for step in self._measured:
             pending = [b for b in step.buckets if b.completed is not None]

@@ -160,6 +160,9 @@ class CostInputs:
     """One piece's fixed cost per step (forward and backward together)."""
     link_bytes_per_s: float | None
     """``link_gbps`` in bytes per second; ``None``: communication as long as backward."""
+    link_source: str | None = None
+    """Where ``link_bytes_per_s`` came from, for people, when not from ``link_gbps``
+    (measured in the first steps, or not measured yet)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -404,6 +407,8 @@ def _group_by_cost(
     else:
         comm = [nbytes / costs.link_bytes_per_s for _, _, nbytes in buckets]
         link = f"link_gbps={costs.link_bytes_per_s / 1e9:g}"
+    if costs.link_source is not None:
+        link = costs.link_source
     in_backward = (backward[::-1], comm[::-1], costs.fixed_s)  # backward visits the last bucket first
     sizes = _best_grouping(*in_backward)
     piece_of_reversed = [g for g, size in enumerate(sizes) for _ in range(size)]
@@ -421,7 +426,7 @@ def _group_by_cost(
     return piece_of, sizing
 
 
-_BACKWARD_SHARE = 0.6
+BACKWARD_SHARE = 0.6
 """Share of a piece's fixed cost paid in backward (AOTAutograd's backward wrapper is the
 larger part: RESULTS.md, "Where the split's cost goes")."""
 _WIDEST = 48
@@ -434,10 +439,10 @@ def _predicted_step(backward: Sequence[float], comm: Sequence[float], fixed: flo
     ready = link = 0.0
     i = 0
     for size in sizes:
-        ready += sum(backward[i:i + size]) + _BACKWARD_SHARE * fixed
+        ready += sum(backward[i:i + size]) + BACKWARD_SHARE * fixed
         link = max(link, ready) + sum(comm[i:i + size])
         i += size
-    return link + (1 - _BACKWARD_SHARE) * fixed * len(sizes)
+    return link + (1 - BACKWARD_SHARE) * fixed * len(sizes)
 
 
 def _best_grouping(backward: Sequence[float], comm: Sequence[float], fixed: float) -> list[int]:
@@ -459,7 +464,7 @@ def _best_grouping(backward: Sequence[float], comm: Sequence[float], fixed: floa
     end[0][0] = 0.0
     for m in range(1, n + 1):
         for i in range(m, n + 1):
-            ready = before[i] + m * _BACKWARD_SHARE * fixed
+            ready = before[i] + m * BACKWARD_SHARE * fixed
             for j in range(max(m - 1, i - widest), i):
                 prev = end[m - 1][j]
                 if prev == inf:
@@ -467,7 +472,7 @@ def _best_grouping(backward: Sequence[float], comm: Sequence[float], fixed: floa
                 candidate = max(prev, ready) + sent[i] - sent[j]
                 if candidate < end[m][i]:
                     end[m][i], choice[m][i] = candidate, j
-    pieces = min(range(1, n + 1), key=lambda m: end[m][n] + (1 - _BACKWARD_SHARE) * fixed * m)
+    pieces = min(range(1, n + 1), key=lambda m: end[m][n] + (1 - BACKWARD_SHARE) * fixed * m)
     sizes, i = [], n
     for m in range(pieces, 0, -1):
         j = choice[m][i]

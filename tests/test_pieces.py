@@ -131,6 +131,7 @@ def _grouped_sgd_worker(rank: int, world: int, steps: int = 3, min_piece_mb: flo
         "split": [p.detach().clone() for p in split.parameters()],
         "pieces": [[b.bucket for b in p.buckets] for p in plan.pieces],
         "sized_by_cost": plan.sizing is not None,
+        "graph_name": plan.graph_name,
     }
 
 

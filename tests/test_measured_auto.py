@@ -1,0 +1,161 @@
+"""min_piece_mb="auto" without link_gbps: one piece, measured first steps, one re-plan.
+
+Note [Measuring the link] in regroup.py. The comm hook is the benchmarks' simulated link
+(``benchmarks/overlap.py``), whose speed is known, wrapped by ``watch_overlap`` so that the
+steps after the re-plan can be checked for overlap.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ddp_split_backend
+from ddp_split_backend import DDPSplitBackend, ddp_split, watch_overlap
+from ddp_split_backend.regroup import STEPS_BEFORE_REPLAN, Measurement
+from ddp_split_backend.measure import StepSample
+
+from .models import TanhStack
+from .multiproc import run_ranks
+from .test_overlap_report import bench, instant, link  # noqa: F401  (fixtures)
+from .test_pieces import _grouped_sgd_worker
+
+pytestmark = pytest.mark.usefixtures("world1")
+
+WIDTH, DEPTH = 512, 8
+MIB = 2**20
+AUTO = {"inner": "aot_eager", "min_piece_mb": "auto"}
+
+
+def send(state, bucket):  # no annotations: DDP checks them, and here they are strings
+    return state.enqueue(bucket)
+
+
+def _pair(hook: Any, state: Any) -> tuple[DDP, DDP, Any]:
+    """Eager DDP and DDP compiled by name with ``AUTO``, both sending through ``hook``."""
+    torch.manual_seed(0)
+    base = TanhStack(WIDTH, DEPTH)
+    eager = DDP(copy.deepcopy(base), bucket_cap_mb=1)
+    eager.register_comm_hook(state, hook)
+    split = DDP(copy.deepcopy(base), bucket_cap_mb=1)
+    return eager, split, torch.compile(split, backend="ddp_split", options=AUTO)
+
+
+def _train_both(eager: DDP, split: DDP, compiled: Any, steps: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    with ddp_split_backend.own_split():
+        for _ in range(steps):
+            x = torch.randn(16, WIDTH, generator=gen)
+            for model in (eager, compiled):
+                model.zero_grad()
+                model(x).sum().backward()
+            for a, e in zip(split.parameters(), eager.parameters(), strict=True):
+                torch.testing.assert_close(a.grad, e.grad)
+
+
+def test_a_slow_link_is_measured_and_the_graph_regrouped(link: Any) -> None:
+    link.bandwidth = 200 * MIB  # 5 ms per 1 MiB bucket: 40 ms of communication per step
+    eager, split, compiled = _pair(send, link)
+    watch = watch_overlap(split, hook=send, state=link, warmup=STEPS_BEFORE_REPLAN + 1, steps=3)
+    _train_both(eager, split, compiled, STEPS_BEFORE_REPLAN + 4)
+    first, replanned = ddp_split.records[0].plan, ddp_split.records[-1].plan
+
+    assert len(ddp_split.records) == 2
+    assert len(first.pieces) == 1 and len(first.buckets) == DEPTH
+    assert first.sizing is not None and "not measured yet" in first.sizing.link
+    assert replanned.graph_name.endswith("re-planned") and "measured over 4 steps" in replanned.sizing.link
+    # What was measured is the link's own speed (all 8 buckets sent after backward).
+    assert sum(replanned.sizing.bucket_comm_s) == pytest.approx(DEPTH * 5e-3, rel=0.25)
+    assert 1 < len(replanned.pieces) < DEPTH, replanned.table()
+    # DDP learned its bucket order from the eager first step: after the re-plan, buckets are
+    # handed over while backward still runs.
+    watch.remove()
+    report = watch.report()
+    assert len(report.steps) == 3
+    assert all(s.ready_before_end >= len(replanned.pieces) - 1 for s in report.steps), report.table()
+
+
+def test_free_communication_keeps_one_piece_and_compiles_nothing_more() -> None:
+    eager, split, compiled = _pair(instant, None)
+    split.register_comm_hook(None, instant)
+    _train_both(eager, split, compiled, STEPS_BEFORE_REPLAN + 2)
+    first, replanned = ddp_split.records[0], ddp_split.records[-1]
+    assert len(ddp_split.records) == 2
+    assert len(replanned.plan.pieces) == 1, replanned.plan.table()
+    assert replanned.times.seconds["inner"] == 0.0
+    assert replanned.pieces == first.pieces
+
+
+def test_steps_that_do_not_synchronise_are_not_counted(link: Any) -> None:
+    """Evaluation and gradient accumulation (``no_sync``) steps wait; the re-plan comes after
+    the same number of synchronised training steps."""
+    link.bandwidth = 200 * MIB
+    eager, split, compiled = _pair(send, link)
+    split.register_comm_hook(link, send)
+    x = torch.randn(16, WIDTH)
+    with ddp_split_backend.own_split():
+        for _ in range(STEPS_BEFORE_REPLAN):
+            with split.no_sync():
+                compiled(x).sum().backward()
+            with torch.no_grad():
+                compiled(x)
+        assert not _replanned()
+        for _ in range(STEPS_BEFORE_REPLAN):
+            compiled(x).sum().backward()
+        assert not _replanned()
+        compiled(x).sum().backward()
+    assert len(_replanned()) == 1
+
+
+def _replanned() -> list[Any]:
+    return [r for r in ddp_split.records if r.plan.graph_name.endswith("re-planned")]
+
+
+def test_a_failed_replan_keeps_training_on_one_piece(link: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(self: DDPSplitBackend, deferred: Any, measured: Measurement) -> Any:
+        raise RuntimeError("no re-plan today")
+
+    monkeypatch.setattr(DDPSplitBackend, "_replan", broken)
+    link.bandwidth = 200 * MIB
+    eager, split, compiled = _pair(send, link)
+    split.register_comm_hook(link, send)
+    with pytest.warns(UserWarning, match="could not re-plan.*no re-plan today"):
+        _train_both(eager, split, compiled, STEPS_BEFORE_REPLAN + 2)
+    assert len(ddp_split.records) == 1
+
+
+def test_without_ddp_nothing_is_measured() -> None:
+    model = torch.compile(TanhStack(64, 4), backend="ddp_split", options={**AUTO, "bucket_cap_mb": 0.01})
+    for _ in range(STEPS_BEFORE_REPLAN + 1):
+        model(torch.randn(4, 64)).sum().backward()
+    (record,) = ddp_split.records
+    assert record.plan.sizing is not None and "not measured" not in record.plan.sizing.link
+
+
+def test_the_measurement_rescales_the_estimates_and_gives_the_links_speed() -> None:
+    samples = (StepSample(0.010, 0.004), StepSample(0.012, 0.005), StepSample(0.011, 0.100))
+    measured = Measurement(samples, grad_bytes=10_000_000)
+    costs = measured.cost_inputs((1.0, 3.0), fixed_s=0.002, backward_share=0.5)
+    assert measured.backward_s == 0.011 and measured.comm_s == 0.005  # medians
+    assert costs.node_backward_s == pytest.approx((0.0025, 0.0075))  # 11 ms less 1 ms of fixed cost
+    assert costs.link_bytes_per_s == pytest.approx(2e9)
+    free = Measurement((StepSample(0.01, 0.0),), grad_bytes=1).cost_inputs((1.0,), 0.0, 0.5)
+    assert free.link_bytes_per_s == float("inf")
+
+
+@pytest.mark.multiprocess
+def test_two_ranks_measure_regroup_and_match_eager_ddp(tmp_path) -> None:
+    """Each rank measures its own steps and may group differently; DDP's buckets, and so the
+    gradients, do not depend on the pieces."""
+    steps = STEPS_BEFORE_REPLAN + 2
+    results = run_ranks(_grouped_sgd_worker, tmp_path, world=2, min_piece_mb="auto", steps=steps)
+    for result in results:
+        assert result["graph_name"].endswith("re-planned")
+        for a, e in zip(result["split"], result["eager"], strict=True):
+            torch.testing.assert_close(a, e)
+    for a, b in zip(results[0]["split"], results[1]["split"], strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
