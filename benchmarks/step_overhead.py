@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import statistics
 import time
@@ -47,6 +48,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ddp_split_backend
 from _common import environment, free_port, own_code
 from ddp_split_backend import DDPSplitBackend, SplitConfig
+from ddp_split_backend.regroup import STEPS_BEFORE_REPLAN
 from overlap import HookState, Link, link_hook
 
 HERE = Path(__file__).resolve().parent
@@ -101,6 +103,12 @@ class Mode:
         if self.backend is None or not self.backend.records:
             return None
         return len(self.backend.records[-1].plan.pieces)
+
+    def sizing(self) -> str | None:
+        """What ``min_piece_mb="auto"`` predicted and measured, for its last plan."""
+        if self.backend is None or not self.backend.records or self.backend.records[-1].plan.sizing is None:
+            return None
+        return self.backend.records[-1].plan.sizing.describe()
 
 
 def _patch_optimize_ddp(value: bool) -> Callable[[], contextlib.AbstractContextManager[Any]]:
@@ -193,6 +201,7 @@ def summarize(modes: list[Mode]) -> dict[str, dict[str, Any]]:
             "vs_ddp_optimizer": medians[m.name] / ddpo if ddpo else None,
             "pieces": m.pieces(),
             "min_ms": 1e3 * min(m.samples),
+            "sizing": m.sizing(),
         }
         for m in modes
     }
@@ -240,19 +249,23 @@ def run_tradeoff(work: Workload, inner: str, args: argparse.Namespace) -> dict[s
         backward = backward_seconds(work, x)
         grad_bytes = work.depth * (work.width + 1) * work.width * 4
         link = Link()
+
+        def built(name: str) -> Mode:
+            return build(work, name, inner, link_hook, HookState(link, name, {}, record_params=False))
+
         try:
-            modes = [
-                build(work, name, inner, link_hook, HookState(link, name, {}, record_params=False))
-                for name in mode_names(work, compiled=True)
-                if name != "one_graph"  # no overlap at all: overlap.py covers it
-            ]
-            speeds = {f"comm {r} x backward": grad_bytes / (r * backward) for r in args.comm_ratios}
+            # Modes whose plan does not depend on the link are built once; ``auto`` measures
+            # the link in its first steps (and ``auto`` told is told it), so both are built
+            # again for every speed.
+            fixed = [built(name) for name in mode_names(work, compiled=True) if name != "ddp_split_auto"]
+            speeds = {"instant": math.inf}
+            speeds.update({f"comm {r} x backward": grad_bytes / (r * backward) for r in args.comm_ratios})
             speeds["1 GB/s"] = 1e9
             results = {}
             for label, bandwidth in speeds.items():
                 link.bandwidth = bandwidth
                 told = f"{AUTO_LINK}@{bandwidth / 1e9:.6g}"  # auto, told this link's speed
-                here = [*modes, build(work, told, inner, link_hook, HookState(link, told, {}, record_params=False))]
+                here = [*fixed, built("ddp_split_auto"), built(told)]
                 round_robin(here, x, args.warmup, args.rounds, link.reset)
                 rows = summarize(here)
                 results[label] = {"bandwidth": bandwidth, "comm_ms": 1e3 * grad_bytes / bandwidth, "rows": rows}
@@ -298,6 +311,36 @@ def print_tradeoff(result: dict[str, Any]) -> None:
                   f"x DDPOpt {row['vs_ddp_optimizer']:.3f}")
 
 
+def _cell(row: dict[str, Any]) -> str:
+    pieces = f" ({row['pieces']})" if row.get("pieces") else ""
+    return f"{row['step_ms']:.2f}{pieces}"
+
+
+def grid(record: dict[str, Any]) -> str:
+    """The tradeoff part as one markdown table: step ms per mode (pieces in brackets), the
+    best fixed grouping, and ``auto`` against it and against one piece per bucket."""
+    head = ("model", "inner", "link", "eager DDP", "one graph", "DDPOptimizer", "compiled autograd",
+            "x1 (per bucket)", "best fixed", "auto", "auto told", "auto / best", "auto / x1")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for result in record["tradeoff"]:
+        for label, speed in result["speeds"].items():
+            rows = speed["rows"]
+            fixed = {n: r for n, r in rows.items() if n.startswith("ddp_split_x")}
+            best_name = min(fixed, key=lambda n: fixed[n]["step_ms"])
+            auto = rows["ddp_split_auto"]
+            told = next(r for n, r in rows.items() if n.startswith(AUTO_LINK))
+            cells = [
+                result["workload"]["name"], result["inner"], label,
+                *(_cell(rows[n]) if n in rows else "-" for n in ("eager_ddp", "one_graph", "ddp_optimizer", "compiled_autograd", "ddp_split_x1")),
+                f"{best_name.removeprefix('ddp_split_')}: {_cell(fixed[best_name])}",
+                _cell(auto), _cell(told),
+                f"{auto['step_ms'] / fixed[best_name]['step_ms']:.3f}",
+                f"{auto['step_ms'] / rows['ddp_split_x1']['step_ms']:.3f}",
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def picture(results: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -330,7 +373,8 @@ def main() -> None:
     p.add_argument("--part", choices=("overhead", "tradeoff", "all"), default="all")
     p.add_argument("--inner", nargs="+", default=["aot_eager", "inductor"])
     p.add_argument("--comm-ratios", nargs="+", type=float, default=[0.5, 2.0])
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=STEPS_BEFORE_REPLAN + 3,
+                   help="steps per mode before timing (auto re-plans after STEPS_BEFORE_REPLAN)")
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--out", type=Path, default=HERE / "results" / "step_overhead.json")
     p.add_argument("--picture", type=Path, default=HERE / "pieces_tradeoff.png")
@@ -349,6 +393,10 @@ def main() -> None:
             torch._dynamo.reset()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1))
+    if record["tradeoff"]:
+        table = grid(record)
+        args.out.with_suffix(".md").write_text(table + "\n")
+        print("\n" + table)
     picture([r for r in record["overhead"] + record["tradeoff"] if r["inner"] == args.inner[-1]], args.picture)
     print(f"\nwrote {args.out} and {args.picture}")
 

@@ -19,7 +19,8 @@ enabled, DDP synchronising gradients) are used as follows.
 3. The next :data:`MEASURED_STEPS` are timed with a :class:`measure.StepProbe`. With one
    piece every bucket is launched when backward ends, so the time from the end of the
    graph's backward until DDP's ``finalize_backward`` returns is all of the communication;
-   its median, over the graph's gradient bytes, is the link's speed. The median backward
+   its median, less DDP's copy of the buckets back into the gradients (which ends every
+   step, whatever the grouping), over the graph's gradient bytes, is the link's speed. The median backward
    rescales the per-node estimates of ``cost.py`` (they rank nodes well and miss by a
    roughly constant factor).
 4. At the next, the buckets are grouped as if the user had given that ``link_gbps``, once.
@@ -64,6 +65,9 @@ class Measurement:
 
     samples: tuple[StepSample, ...]
     grad_bytes: int
+    ddp_work_s: float = 0.0
+    """Of the time after backward, what DDP does whatever the link (copying each bucket back
+    into the gradients; estimated from the device's copy speed), not sending."""
 
     @property
     def backward_s(self) -> float:
@@ -71,7 +75,8 @@ class Measurement:
 
     @property
     def comm_s(self) -> float:
-        return statistics.median(s.comm_s for s in self.samples)
+        """The link's time: the median time after backward, less DDP's own work in it."""
+        return max(0.0, statistics.median(s.comm_s for s in self.samples) - self.ddp_work_s)
 
     def cost_inputs(self, node_backward_s: Sequence[float], fixed_s: float, backward_share: float) -> CostInputs:
         """The grouping's inputs: estimates rescaled to the measured backward (less the one
@@ -87,7 +92,8 @@ class Measurement:
             link_source=(
                 f"measured over {len(self.samples)} steps as one piece: communication "
                 f"{comm * 1e3:.2f} ms for {self.grad_bytes / 2**20:.2f} MiB after a "
-                f"{self.backward_s * 1e3:.2f} ms backward"
+                f"{self.backward_s * 1e3:.2f} ms backward (less {self.ddp_work_s * 1e3:.2f} ms "
+                "of DDP copying buckets back)"
             ),
         )
 
@@ -99,6 +105,7 @@ class _Window:
     ddp: weakref.ReferenceType[torch.nn.Module]
     params: tuple[weakref.ReferenceType[torch.Tensor], ...]
     grad_bytes: int
+    ddp_work_s: float
     replan: Callable[[Measurement], Callable[..., Any] | None]
     """Plans from the measurement; the new callable, or ``None`` to keep the one piece."""
     eager: Callable[..., Any] | None
@@ -120,11 +127,12 @@ class RegroupingCallable:
         ddp: torch.nn.Module,
         params: Sequence[torch.Tensor],
         grad_bytes: int,
+        ddp_work_s: float,
         replan: Callable[[Measurement], Callable[..., Any] | None],
     ) -> None:
         self._fn = fn
         self._window: _Window | None = _Window(
-            weakref.ref(ddp), tuple(weakref.ref(p) for p in params), grad_bytes, replan, eager
+            weakref.ref(ddp), tuple(weakref.ref(p) for p in params), grad_bytes, ddp_work_s, replan, eager
         )
 
     @property
@@ -176,7 +184,7 @@ class RegroupingCallable:
             window.samples.append(sample)
 
     def _regroup(self, window: _Window) -> None:
-        measurement = Measurement(tuple(window.samples), window.grad_bytes)
+        measurement = Measurement(tuple(window.samples), window.grad_bytes, window.ddp_work_s)
         try:
             fn = window.replan(measurement)
         except Exception as error:  # keep training on the one piece
