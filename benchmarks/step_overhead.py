@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -104,6 +105,13 @@ class Mode:
             return None
         return len(self.backend.records[-1].plan.pieces)
 
+    def replan_s(self) -> float | None:
+        """Seconds the re-plan of ``min_piece_mb="auto"`` spent (its recompile included)."""
+        if self.backend is None:
+            return None
+        return next((sum(r.times.seconds.values()) for r in self.backend.records
+                     if r.plan.graph_name.endswith("re-planned")), None)
+
     def sizing(self) -> str | None:
         """What ``min_piece_mb="auto"`` predicted and measured, for its last plan."""
         if self.backend is None or not self.backend.records or self.backend.records[-1].plan.sizing is None:
@@ -128,6 +136,7 @@ def mode_names(work: Workload, compiled: bool) -> list[str]:
     return names
 
 
+_BUILDS = itertools.count()
 AUTO_LINK = "ddp_split_auto_link"
 """``min_piece_mb="auto"`` told the link's speed: ``ddp_split_auto_link@<GB/s>`` (``inf``: instant)."""
 
@@ -140,7 +149,9 @@ def _auto_options(name: str) -> dict[str, Any]:
 
 def build(work: Workload, name: str, inner: str, hook: Callable[..., Any], state: Any) -> Mode:
     torch.manual_seed(0)
-    tag = f"{name}_{inner}".replace("@", "_at_").replace(".", "_")
+    # A code object of its own per build: Dynamo's cache would otherwise see a rebuilt mode
+    # (``auto`` is rebuilt for every link) as a recompile and make its shapes dynamic.
+    tag = f"{name}_{inner}_{next(_BUILDS)}".replace("@", "_at_").replace(".", "_")
     cls = type(f"Stack_{tag}", (_Stack,), {"forward": own_code(_forward, tag)})
     module = cls(work.depth, work.width)
     params = list(module.parameters())
@@ -202,6 +213,7 @@ def summarize(modes: list[Mode]) -> dict[str, dict[str, Any]]:
             "pieces": m.pieces(),
             "min_ms": 1e3 * min(m.samples),
             "sizing": m.sizing(),
+            "replan_s": m.replan_s(),
         }
         for m in modes
     }

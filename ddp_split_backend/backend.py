@@ -202,11 +202,10 @@ def _measuring(fn: Callable[..., Any], deferred: _Deferred, replan: Callable[[Me
     inner = getattr(ddp, "module", ddp)
     params = [p for name, p in inner.named_parameters() if _user_fqn(name) in names]
     grad_bytes = sum(use.nbytes for use in deferred.planned.params.params)
-    copies_back = params and not getattr(ddp, "gradient_as_bucket_view", False)
-    ddp_work_s = 2.0 * grad_bytes / device_rates(params[0].device).bytes_per_s if copies_back else 0.0
+    copies_back = not getattr(ddp, "gradient_as_bucket_view", False)
     eager = GuardedCallable(track_state_calls(copy_module(deferred.gm)), "eager (first step)")
     return RegroupingCallable(
-        fn, eager=eager, ddp=ddp, params=params, grad_bytes=grad_bytes, ddp_work_s=ddp_work_s, replan=replan
+        fn, eager=eager, ddp=ddp, params=params, grad_bytes=grad_bytes, copies_back=copies_back, replan=replan
     )
 
 

@@ -6,16 +6,22 @@ one step, with hooks that are removed when the step ends:
 
 * backward starts when the gradient reaches one of the graph's outputs (a tensor hook);
 * the graph's backward ends when the last of its parameters has its gradient accumulated
-  (post-accumulate-grad hooks). With one piece, DDP marks every bucket ready right then
-  and launches them all;
+  (post-accumulate-grad hooks). With one piece the gradients are accumulated one after
+  another once the piece's backward has run, and DDP launches each bucket as soon as its
+  last gradient is in, so the link may start at the *first* parameter's hook;
 * communication ends when DDP's ``finalize_backward`` has waited for every bucket. DDP
   queues it on the autograd engine once the last bucket is ready; the probe queues a
   callback at its first parameter hook, and that callback queues a second one, which
-  therefore runs after DDP's. Its time, less the end of backward, is the communication no
-  backward hid: with one piece, all of it.
+  therefore runs after DDP's.
+
+What these spans say about the link is :class:`regroup.Measurement`'s to work out.
 
 On a GPU the times are CUDA events on the current stream (DDP's finalize makes that stream
 wait for the communication), read when the sample is taken.
+
+Part of that time is not the link's: unless ``gradient_as_bucket_view=True``, DDP's finalize
+copies every reduced bucket back into the gradients, whatever the grouping.
+:func:`copy_back_seconds` times such a copy once, of the graph's own parameters.
 """
 
 from __future__ import annotations
@@ -29,7 +35,10 @@ import torch
 from . import _torch
 from .clock import Clock
 
-__all__ = ["StepProbe", "StepSample"]
+__all__ = ["StepProbe", "StepSample", "copy_back_seconds"]
+
+_COPY_BUFFER_BYTES = 256 * 2**20
+"""Largest buffer :func:`copy_back_seconds` allocates (larger models copy through it in turns)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,8 +47,10 @@ class StepSample:
 
     backward_s: float
     """From the gradient reaching the graph's outputs to its last parameter's gradient."""
-    comm_s: float
-    """From then until DDP's communication had completed."""
+    accumulating_s: float
+    """Of that, from its first parameter's gradient to its last (the buckets being launched)."""
+    after_s: float
+    """From the last parameter's gradient until DDP's communication had completed."""
 
 
 class StepProbe:
@@ -49,6 +60,7 @@ class StepProbe:
         trainable = [p for p in params if p.requires_grad]
         self._clock = Clock(trainable[0].device) if trainable else None
         self._start: Any = None
+        self._first_ready: Any = None
         self._last_ready: Any = None
         self._done: Any = None
         self._queued = False
@@ -66,11 +78,14 @@ class StepProbe:
 
     def sample(self) -> StepSample | None:
         """The step's times, or ``None`` when it did not run a whole backward."""
-        if self._clock is None or None in (self._start, self._last_ready, self._done):
+        if self._clock is None or None in (self._start, self._first_ready, self._last_ready, self._done):
             return None
-        backward = self._clock.seconds(self._start, self._last_ready)
-        comm = self._clock.seconds(self._last_ready, self._done)
-        return StepSample(max(0.0, backward), max(0.0, comm))
+        seconds = self._clock.seconds
+        return StepSample(
+            backward_s=max(0.0, seconds(self._start, self._last_ready)),
+            accumulating_s=max(0.0, seconds(self._first_ready, self._last_ready)),
+            after_s=max(0.0, seconds(self._last_ready, self._done)),
+        )
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -86,7 +101,7 @@ class StepProbe:
             return
         self._last_ready = self._clock.now()
         if not self._queued:
-            self._queued = True
+            self._queued, self._first_ready = True, self._last_ready
             _torch.queue_after_backward(self._after_everything_queued)
 
     def _after_everything_queued(self) -> None:
@@ -96,3 +111,26 @@ class StepProbe:
         if self._clock is not None:
             self._done = self._clock.now()
         self.remove()
+
+
+def copy_back_seconds(params: Sequence[torch.Tensor]) -> float:
+    """Seconds DDP takes to copy buckets holding ``params``' gradients back into them: as
+    many bytes, moved between each parameter and one flat buffer (cold, like a bucket; at
+    most :data:`_COPY_BUFFER_BYTES`, used in turns), the fastest of three passes."""
+    tensors = [p.detach().reshape(-1) for p in params if p.requires_grad]
+    if not tensors:
+        return 0.0
+    clock = Clock(tensors[0].device)
+    sizes = [-(-t.numel() * t.element_size() // 16) * 16 for t in tensors]  # 16-byte aligned
+    size = min(sum(sizes), max(_COPY_BUFFER_BYTES, max(sizes)))
+    best = float("inf")
+    with torch.no_grad(), _torch.unset_fake_mode():
+        flat = torch.empty(size, dtype=torch.uint8, device=tensors[0].device)
+        for _ in range(3):
+            start, offset = clock.now(), 0
+            for tensor, nbytes in zip(tensors, sizes):
+                offset = 0 if offset + nbytes > size else offset
+                flat[offset:offset + tensor.numel() * tensor.element_size()].view(tensor.dtype).copy_(tensor)
+                offset += nbytes
+            best = min(best, clock.seconds(start, clock.now()))
+    return best

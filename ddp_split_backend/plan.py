@@ -48,7 +48,10 @@ they are ready, so piece j's communication ends at ``max(end of j - 1's, ready_j
 the step ends when the last communication does, and every piece's forward pays its fixed
 cost too. For a given number of pieces, the earliest end over the first i buckets only
 depends on the earliest end over a shorter prefix, so an exact dynamic programme over
-(buckets consumed, pieces used) finds the grouping with the smallest predicted step.
+(buckets consumed, pieces used) finds the grouping with the smallest predicted step for
+every number of pieces. Of those, the fewest pieces predicted within :data:`TOLERANCE` of
+the best is chosen: the prediction is not that exact, and every piece adds compile time
+and a cost per step the model may underrate.
 Communication per bucket is its bytes over ``link_gbps`` when given (``inf``: an instant
 link); without it, each bucket's communication is assumed to take as long as its backward.
 Grouping never cuts inside a bucket: it only chooses which bucket boundaries to keep.
@@ -66,6 +69,7 @@ from .params import ParamTable
 
 __all__ = [
     "AdjustReason",
+    "BACKWARD_SHARE",
     "BoundaryAdjustment",
     "BucketPlan",
     "CostInputs",
@@ -73,6 +77,7 @@ __all__ = [
     "PieceSizing",
     "SplitPlan",
     "StateSpan",
+    "TOLERANCE",
     "plan_buckets",
 ]
 
@@ -426,6 +431,9 @@ def _group_by_cost(
     return piece_of, sizing
 
 
+TOLERANCE = 0.02
+"""Fewer pieces are chosen over more when predicted at most this much slower (a share of
+the best predicted step): less than the step-to-step noise of the measurements behind it."""
 BACKWARD_SHARE = 0.6
 """Share of a piece's fixed cost paid in backward (AOTAutograd's backward wrapper is the
 larger part: RESULTS.md, "Where the split's cost goes")."""
@@ -472,7 +480,9 @@ def _best_grouping(backward: Sequence[float], comm: Sequence[float], fixed: floa
                 candidate = max(prev, ready) + sent[i] - sent[j]
                 if candidate < end[m][i]:
                     end[m][i], choice[m][i] = candidate, j
-    pieces = min(range(1, n + 1), key=lambda m: end[m][n] + (1 - BACKWARD_SHARE) * fixed * m)
+    step = [end[m][n] + (1 - BACKWARD_SHARE) * fixed * m if m else inf for m in range(n + 1)]
+    best = min(step)
+    pieces = next(m for m in range(1, n + 1) if step[m] <= best * (1 + TOLERANCE))
     sizes, i = [], n
     for m in range(pieces, 0, -1):
         j = choice[m][i]

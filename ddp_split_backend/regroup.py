@@ -17,12 +17,15 @@ enabled, DDP synchronising gradients) are used as follows.
    predicts (Note [Bucket plan]).
 2. The second runs the compiled piece unmeasured: its backward compiles.
 3. The next :data:`MEASURED_STEPS` are timed with a :class:`measure.StepProbe`. With one
-   piece every bucket is launched when backward ends, so the time from the end of the
-   graph's backward until DDP's ``finalize_backward`` returns is all of the communication;
-   its median, less DDP's copy of the buckets back into the gradients (which ends every
-   step, whatever the grouping), over the graph's gradient bytes, is the link's speed. The median backward
-   rescales the per-node estimates of ``cost.py`` (they rank nodes well and miss by a
-   roughly constant factor).
+   piece, DDP launches the buckets while the gradients are accumulated after the piece's
+   backward, and ``finalize_backward`` returns once the link has sent them all and DDP
+   has copied them back into the gradients (which ends every step, whatever the grouping;
+   timed once by :func:`measure.copy_back_seconds`). What is left after backward beyond
+   that copy is exposed communication. If there is none, the link kept up and costs
+   nothing worth a cut. Otherwise the link was busy from the first gradient on, and that
+   time, over the graph's gradient bytes, is its speed. The medians over the steps are
+   used; the median backward rescales the per-node estimates of ``cost.py`` (they rank
+   nodes well and miss by a roughly constant factor).
 4. At the next, the buckets are grouped as if the user had given that ``link_gbps``, once.
    If the grouping is still one piece nothing is recompiled; otherwise the pieces are
    compiled under the frame's tracing context, as they would have been at the first call,
@@ -47,8 +50,8 @@ from typing import Any
 
 import torch
 
-from .measure import StepProbe, StepSample
-from .plan import CostInputs
+from .measure import StepProbe, StepSample, copy_back_seconds
+from .plan import TOLERANCE, CostInputs
 
 __all__ = ["MEASURED_STEPS", "STEPS_BEFORE_REPLAN", "Measurement", "RegroupingCallable"]
 
@@ -67,16 +70,30 @@ class Measurement:
     grad_bytes: int
     ddp_work_s: float = 0.0
     """Of the time after backward, what DDP does whatever the link (copying each bucket back
-    into the gradients; estimated from the device's copy speed), not sending."""
+    into the gradients, timed on the graph's parameters), not sending."""
 
     @property
     def backward_s(self) -> float:
         return statistics.median(s.backward_s for s in self.samples)
 
     @property
+    def exposed_s(self) -> float:
+        """Communication left after backward, beyond DDP's copy back (the median)."""
+        return statistics.median(s.after_s - self.ddp_work_s for s in self.samples)
+
+    @property
     def comm_s(self) -> float:
-        """The link's time: the median time after backward, less DDP's own work in it."""
-        return max(0.0, statistics.median(s.comm_s for s in self.samples) - self.ddp_work_s)
+        """The link's time for the graph's gradients, busy from the first gradient on (the
+        median); 0 when nothing was exposed."""
+        return statistics.median(
+            s.after_s - self.ddp_work_s + s.accumulating_s if s.after_s > self.ddp_work_s else 0.0
+            for s in self.samples
+        )
+
+    def worth_a_cut(self, fixed_s: float) -> bool:
+        """Whether what was exposed could pay for one more piece: a cut hides at most the
+        exposed communication, and costs a piece's fixed cost plus TOLERANCE of the step."""
+        return self.exposed_s > fixed_s + TOLERANCE * (self.backward_s + max(0.0, self.exposed_s))
 
     def cost_inputs(self, node_backward_s: Sequence[float], fixed_s: float, backward_share: float) -> CostInputs:
         """The grouping's inputs: estimates rescaled to the measured backward (less the one
@@ -84,17 +101,21 @@ class Measurement:
         estimated = sum(node_backward_s)
         computed = max(0.0, self.backward_s - backward_share * fixed_s)
         scale = computed / estimated if estimated > 0 else 0.0
-        comm = self.comm_s
+        ms, comm = 1e3, self.comm_s
+        seen = (
+            f"measured over {len(self.samples)} steps as one piece: {self.backward_s * ms:.2f} ms of "
+            f"backward, {max(0.0, self.exposed_s) * ms:.2f} ms exposed after it (DDP's copy back, "
+            f"{self.ddp_work_s * ms:.2f} ms, not counted)"
+        )
+        if self.worth_a_cut(fixed_s) and comm > 0:
+            link, source = self.grad_bytes / comm, f"{seen}: the link takes {comm * ms:.2f} ms"
+        else:
+            link, source = float("inf"), f"{seen}: too little for a cut to hide, taken as free"
         return CostInputs(
             node_backward_s=tuple(t * scale for t in node_backward_s),
             fixed_s=fixed_s,
-            link_bytes_per_s=self.grad_bytes / comm if comm > 0 else float("inf"),
-            link_source=(
-                f"measured over {len(self.samples)} steps as one piece: communication "
-                f"{comm * 1e3:.2f} ms for {self.grad_bytes / 2**20:.2f} MiB after a "
-                f"{self.backward_s * 1e3:.2f} ms backward (less {self.ddp_work_s * 1e3:.2f} ms "
-                "of DDP copying buckets back)"
-            ),
+            link_bytes_per_s=link,
+            link_source=source,
         )
 
 
@@ -105,7 +126,8 @@ class _Window:
     ddp: weakref.ReferenceType[torch.nn.Module]
     params: tuple[weakref.ReferenceType[torch.Tensor], ...]
     grad_bytes: int
-    ddp_work_s: float
+    copies_back: bool
+    """Whether DDP copies buckets back into the gradients (no ``gradient_as_bucket_view``)."""
     replan: Callable[[Measurement], Callable[..., Any] | None]
     """Plans from the measurement; the new callable, or ``None`` to keep the one piece."""
     eager: Callable[..., Any] | None
@@ -127,12 +149,12 @@ class RegroupingCallable:
         ddp: torch.nn.Module,
         params: Sequence[torch.Tensor],
         grad_bytes: int,
-        ddp_work_s: float,
+        copies_back: bool,
         replan: Callable[[Measurement], Callable[..., Any] | None],
     ) -> None:
         self._fn = fn
         self._window: _Window | None = _Window(
-            weakref.ref(ddp), tuple(weakref.ref(p) for p in params), grad_bytes, ddp_work_s, replan, eager
+            weakref.ref(ddp), tuple(weakref.ref(p) for p in params), grad_bytes, copies_back, replan, eager
         )
 
     @property
@@ -184,8 +206,10 @@ class RegroupingCallable:
             window.samples.append(sample)
 
     def _regroup(self, window: _Window) -> None:
-        measurement = Measurement(tuple(window.samples), window.grad_bytes, window.ddp_work_s)
         try:
+            params = [p for p in (ref() for ref in window.params) if p is not None]
+            copying = copy_back_seconds(params) if window.copies_back else 0.0
+            measurement = Measurement(tuple(window.samples), window.grad_bytes, copying)
             fn = window.replan(measurement)
         except Exception as error:  # keep training on the one piece
             warnings.warn(

@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_split_backend
 from ddp_split_backend import SplitConfig, SplitConfigError, ddp_split, plan_split
-from ddp_split_backend.plan import _best_grouping, _predicted_step
+from ddp_split_backend.plan import TOLERANCE, _best_grouping, _predicted_step
 
 from .models import MLP
 from .test_pieces import CAP_MB, _dynamo_graph
@@ -44,10 +44,16 @@ def test_the_search_finds_the_best_grouping(seed: int) -> None:
     backward = [rng.uniform(0.01, 3.0) for _ in range(n)]
     comm = [rng.choice([0.0, rng.uniform(0.0, 6.0)]) for _ in range(n)]
     fixed = rng.choice([0.0, 0.05, 0.3, 2.0])
-    best = min(_predicted_step(backward, comm, fixed, sizes) for sizes in _compositions(n))
+    by_pieces: dict[int, float] = {}  # the best predicted step for each number of pieces
+    for sizes in _compositions(n):
+        step = _predicted_step(backward, comm, fixed, sizes)
+        by_pieces[len(sizes)] = min(step, by_pieces.get(len(sizes), step))
+    best = min(by_pieces.values())
+    fewest = min(m for m, step in by_pieces.items() if step <= best * (1 + TOLERANCE))
     found = _best_grouping(backward, comm, fixed)
     assert sum(found) == n and all(size >= 1 for size in found)
-    assert _predicted_step(backward, comm, fixed, found) == pytest.approx(best, rel=1e-12, abs=1e-12)
+    assert len(found) == fewest  # the fewest pieces predicted within TOLERANCE of the best
+    assert _predicted_step(backward, comm, fixed, found) == pytest.approx(by_pieces[fewest], rel=1e-12, abs=1e-12)
 
 
 def test_the_search_in_the_limits() -> None:
@@ -75,12 +81,11 @@ def test_auto_only_chooses_which_bucket_boundaries_to_keep(link_gbps) -> None:
     assert [b.piece for b in plan.buckets] == sorted(b.piece for b in plan.buckets)  # consecutive
     sizing = plan.sizing
     assert sizing is not None and len(sizing.bucket_backward_s) == len(plan.buckets)
-    assert sizing.predicted_s <= min(sizing.one_per_bucket_s, sizing.one_piece_s) + 1e-12
+    assert sizing.predicted_s <= min(sizing.one_per_bucket_s, sizing.one_piece_s) * (1 + TOLERANCE) + 1e-12
     if link_gbps == math.inf:
         assert len(plan.pieces) == 1  # an instant link: nothing to overlap, one piece
-    if link_gbps == 1e-4:  # 0.1 MB/s: the link decides; start sending after the first bucket
-        assert len(plan.pieces) > 1 and len(plan.pieces[-1].buckets) == 1
-        assert sizing.predicted_s < sizing.one_piece_s
+    # A slow link splits models with milliseconds of backward per bucket
+    # (test_auto_by_name_matches_eager_ddp); here what a cut could hide is below TOLERANCE.
 
 
 def test_the_table_says_why() -> None:
@@ -110,13 +115,14 @@ def test_bad_auto_options_name_the_option_and_the_fix(options, words) -> None:
 
 def test_auto_by_name_matches_eager_ddp(world1) -> None:
     """Layers with milliseconds of backward each (1024 x 1024 at batch 64, a bucket per
-    layer) over a slow link: the first bucket to be ready gets a piece of its own."""
+    layer) over a link that sends at 1 GB/s, four times as long as the backward: the first
+    bucket to be ready gets a piece of its own."""
     torch.manual_seed(0)
     base = MLP(width=1024, depth=4)
     eager = DDP(copy.deepcopy(base), bucket_cap_mb=4)
     split_ddp = DDP(copy.deepcopy(base), bucket_cap_mb=4)
     compiled = torch.compile(
-        split_ddp, backend="ddp_split", options={"inner": "aot_eager", "min_piece_mb": "auto", "link_gbps": 1e-4}
+        split_ddp, backend="ddp_split", options={"inner": "aot_eager", "min_piece_mb": "auto", "link_gbps": 1.0}
     )
     x = torch.randn(64, 1024)
     with ddp_split_backend.own_split():

@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ddp_split_backend
 from ddp_split_backend import DDPSplitBackend, ddp_split, watch_overlap
 from ddp_split_backend.regroup import STEPS_BEFORE_REPLAN, Measurement
-from ddp_split_backend.measure import StepSample
+from ddp_split_backend.measure import StepSample, copy_back_seconds
 
 from .models import TanhStack
 from .multiproc import run_ranks
@@ -137,14 +137,36 @@ def test_without_ddp_nothing_is_measured() -> None:
 
 
 def test_the_measurement_rescales_the_estimates_and_gives_the_links_speed() -> None:
-    samples = (StepSample(0.010, 0.004), StepSample(0.012, 0.005), StepSample(0.011, 0.100))
+    # (backward, of it accumulating gradients, after it): the link started at the first gradient
+    samples = (StepSample(0.010, 0.001, 0.003), StepSample(0.012, 0.001, 0.004), StepSample(0.011, 0.001, 0.100))
     measured = Measurement(samples, grad_bytes=10_000_000)
     costs = measured.cost_inputs((1.0, 3.0), fixed_s=0.002, backward_share=0.5)
-    assert measured.backward_s == 0.011 and measured.comm_s == 0.005  # medians
+    assert measured.backward_s == 0.011 and measured.exposed_s == 0.004  # medians
+    assert measured.comm_s == pytest.approx(0.005)  # busy from the first gradient on
     assert costs.node_backward_s == pytest.approx((0.0025, 0.0075))  # 11 ms less 1 ms of fixed cost
     assert costs.link_bytes_per_s == pytest.approx(2e9)
-    free = Measurement((StepSample(0.01, 0.0),), grad_bytes=1).cost_inputs((1.0,), 0.0, 0.5)
-    assert free.link_bytes_per_s == float("inf")
+    assert "the link takes 5.00 ms" in costs.link_source
+    copying = Measurement(samples, grad_bytes=10_000_000, ddp_work_s=0.003)
+    assert copying.exposed_s == pytest.approx(0.001) and copying.comm_s == pytest.approx(0.002)
+
+
+def test_too_little_exposed_for_a_cut_is_a_free_link() -> None:
+    samples = (StepSample(0.010, 0.001, 0.0004), StepSample(0.010, 0.001, 0.0003))
+    measured = Measurement(samples, grad_bytes=10_000_000)  # 0.35 ms exposed after a 10 ms backward
+    assert not measured.worth_a_cut(fixed_s=0.0002)  # under 0.2 ms + TOLERANCE x 10.35 ms
+    assert measured.worth_a_cut(fixed_s=0.0)
+    costs = measured.cost_inputs((1.0,), fixed_s=0.0002, backward_share=0.5)
+    assert costs.link_bytes_per_s == float("inf") and "taken as free" in costs.link_source
+    assert Measurement(samples, grad_bytes=1, ddp_work_s=1.0).comm_s == 0.0  # all of it DDP's copy
+
+
+def test_timing_ddps_copy_back_leaves_the_parameters_alone() -> None:
+    params = [torch.randn(300, 301, requires_grad=True), torch.randn(7, dtype=torch.float64, requires_grad=True)]
+    before = [p.detach().clone() for p in params]
+    assert copy_back_seconds(params) > 0.0
+    for p, b in zip(params, before, strict=True):
+        assert torch.equal(p, b) and p.grad is None
+    assert copy_back_seconds([torch.randn(3)]) == 0.0  # nothing trainable: DDP copies nothing
 
 
 @pytest.mark.multiprocess
