@@ -19,6 +19,15 @@ def _shape(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"--input-shape {text!r}: expected integers like 8,1000") from None
 
 
+def _min_piece(text: str) -> float | str | None:
+    if text in ("auto", "none"):
+        return None if text == "none" else text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--min-piece-mb {text!r}: expected 'auto', 'none' or MiB") from None
+
+
 def _load(spec: str) -> torch.nn.Module:
     module_name, _, attr = spec.partition(":")
     if not attr:
@@ -41,6 +50,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ex.add_argument("--high", type=int, default=2, help="exclusive upper bound for integer inputs")
     ex.add_argument("--bucket-cap-mb", type=float, default=None)
     ex.add_argument("--first-bucket-cap-mb", type=float, default=None)
+    ex.add_argument("--min-piece-mb", type=_min_piece, default="auto",
+                    help="'auto' (default: grouped by predicted cost, as if under DDP), a size in MiB, "
+                         "or 'none' for one piece per bucket")
+    ex.add_argument("--link-gbps", type=float, default=None, help="with auto: the link's speed in GB/s")
     ex.add_argument("--png", default=None, help="also draw the plan into this PNG file")
     args = parser.parse_args(argv)
 
@@ -52,7 +65,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for shape in args.input_shape
     ]
     options = {k: v for k, v in (("bucket_cap_mb", args.bucket_cap_mb),
-                                 ("first_bucket_cap_mb", args.first_bucket_cap_mb)) if v is not None}
+                                 ("first_bucket_cap_mb", args.first_bucket_cap_mb),
+                                 ("link_gbps", args.link_gbps)) if v is not None}
+    options["min_piece_mb"] = args.min_piece_mb
     result = explain(model, *inputs, **options)
     sys.stdout.write(result.table() + "\n")
     if args.png:

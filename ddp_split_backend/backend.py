@@ -103,8 +103,9 @@ def plan_split(
         ddp_module: the DDP module the graph runs under (default: the active one, if any).
 
     Returns:
-        The :class:`SplitPlan`. With ``min_piece_mb="auto"`` and no ``link_gbps`` this is the
-        static estimate (communication as long as backward): nothing is measured here.
+        The :class:`SplitPlan`. With ``min_piece_mb="auto"`` (the default) and no
+        ``link_gbps`` this is the static estimate, as if under DDP with communication as long
+        as backward: nothing is measured here.
     """
     return _plan_graph(gm, example_inputs, config or SplitConfig(), ddp_module, graph_name, measure=False).plan
 
@@ -132,13 +133,20 @@ def _plan_graph(
     *,
     measure: bool = True,
 ) -> _Planned:
+    """The plan of one graph. ``measure``: for the backend's own run (``min_piece_mb="auto"``
+    measures under DDP, and without DDP has nothing to send); ``False`` for ``plan_split``,
+    which plans as if under DDP and measures nothing."""
     ddp_module = ddp_module if ddp_module is not None else _torch.active_ddp_module()
     names, ignored = _ddp_names(ddp_module)
     layout = layout_graph(gm, Ambient.capture())
     params = find_params(gm, layout.nodes, example_inputs, names=names, ddp_ignored=ignored)
     caps = config.caps(ddp_module)
     measures = measure and _measures_link(config, ddp_module, example_inputs)
-    costs = _cost_inputs(gm, layout, example_inputs, config, measures) if config.sized_by_cost else None
+    costs = (
+        _cost_inputs(gm, layout, example_inputs, config, measure and ddp_module is None, measures)
+        if config.sized_by_cost
+        else None
+    )
     plan = plan_buckets(
         layout, params, caps, graph_name=graph_name, min_piece_bytes=config.min_piece_bytes, costs=costs
     )
@@ -163,12 +171,20 @@ def _symbolic(value: Any) -> bool:
 
 
 def _cost_inputs(
-    gm: fx.GraphModule, layout: GraphLayout, example_inputs: Sequence[Any], config: SplitConfig, measures: bool
+    gm: fx.GraphModule,
+    layout: GraphLayout,
+    example_inputs: Sequence[Any],
+    config: SplitConfig,
+    nothing_to_send: bool,
+    measures: bool,
 ) -> CostInputs:
-    """What ``min_piece_mb="auto"`` groups by (Note [Piece cost model] in cost.py)."""
+    """What ``min_piece_mb="auto"`` groups by (Note [Piece cost model] in cost.py).
+    ``nothing_to_send``: compiled for a run without DDP (``plan_split`` plans as if under it)."""
     device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
     if measures:  # one piece until measured: the grouping for a link that costs nothing
         link, source = math.inf, f"not measured yet: one piece for the first {STEPS_BEFORE_REPLAN} training steps"
+    elif nothing_to_send and config.link_gbps is None:
+        link, source = math.inf, "no DDP module: nothing to send"
     else:
         link, source = (None if config.link_gbps is None else config.link_gbps * 1e9), None
     return CostInputs(

@@ -70,18 +70,20 @@ class SplitConfig:
     """Bucket capacity in MiB. ``None``: the active DDP module's cap, else DDP's default (25)."""
     first_bucket_cap_mb: float | None = None
     """First-bucket capacity in MiB. ``None``: DDP's first-bucket size, clamped to the cap."""
-    min_piece_mb: float | str | None = None
-    """Group consecutive buckets into pieces of at least this many MiB (never cutting inside a
-    bucket; DDP's buckets stay as they are). ``None``: one piece per bucket. ``"auto"``: the
-    grouping with the smallest predicted step time, from each bucket's estimated backward,
-    the measured fixed cost of a piece and ``link_gbps`` (Note [Choosing pieces by cost] in
-    plan.py). Fewer pieces cost less per step (each piece is one autograd node and one
-    inner-backend call); more pieces start communication earlier. See "Choosing pieces" in
-    docs/performance.md."""
+    min_piece_mb: float | str | None = "auto"
+    """How buckets are grouped into pieces (never cutting inside a bucket; DDP's buckets stay
+    as they are). ``"auto"``: the grouping with the smallest predicted step time, from each
+    bucket's estimated backward, the measured fixed cost of a piece and the link: measured
+    in the first training steps (Note [Measuring the link] in regroup.py), or ``link_gbps``
+    (Note [Choosing pieces by cost] in plan.py). A number: pieces of at least this many MiB
+    of gradients. ``None``: one piece per bucket. Fewer pieces cost less per step (each
+    piece is one autograd node and one inner-backend call); more pieces start communication
+    earlier. See "Choosing pieces" in docs/performance.md."""
     link_gbps: float | None = None
     """With ``min_piece_mb="auto"``: how many GB/s the gradient allreduce moves (bucket bytes
-    over this is its time; ``float("inf")``: communication costs nothing). ``None``: assume
-    each bucket's communication takes as long as its backward."""
+    over this is its time; ``float("inf")``: communication costs nothing). ``None``: measured
+    in the first training steps where it can be (DDP active, static shapes, no CUDA graphs),
+    else each bucket's communication is assumed to take as long as its backward."""
     reuse_identical_pieces: bool | None = None
     """Compile pieces with the same ops and input metadata once (repeated transformer blocks).
     ``None``: on for registered backend names, off for callables (which may record or
@@ -103,7 +105,9 @@ class SplitConfig:
         _check_size("bucket_cap_mb", self.bucket_cap_mb)
         _check_size("first_bucket_cap_mb", self.first_bucket_cap_mb)
         if self.min_piece_mb != "auto":
-            _check_size("min_piece_mb", self.min_piece_mb, unset="one piece per bucket", also="'auto'")
+            _check_size(
+                "min_piece_mb", self.min_piece_mb, unset="'auto' (None: one piece per bucket)", also="'auto'"
+            )
         _check_link(self.link_gbps, self.min_piece_mb)
         if self.on_inner_failure not in INNER_FAILURE_CHOICES:
             raise SplitConfigError(

@@ -21,8 +21,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-TINY = {"bucket_cap_mb": 0.0001, "first_bucket_cap_mb": 0.0001}
-"""Bucket caps of ~100 bytes: a bucket (and a piece) per layer."""
+TINY = {"bucket_cap_mb": 0.0001, "first_bucket_cap_mb": 0.0001, "min_piece_mb": None}
+"""Bucket caps of ~100 bytes and a piece per bucket (not ``min_piece_mb="auto"``, which
+would group buckets this small): a bucket and a piece per layer, for tests of cutting."""
 
 
 def take_grads(module: torch.nn.Module) -> list[torch.Tensor]:

@@ -93,14 +93,14 @@ def test_the_table_says_why() -> None:
     assert "grouped by predicted cost (min_piece_mb='auto')" in table
     assert "bwd ms" in table.splitlines()[1]
     assert "auto: predicted step" in table and "link_gbps=1" in table and "fixed cost" in table
-    assert "assumed as long as each bucket's backward" in _auto_plan().table()
+    assert "assumed as long as each bucket's backward" in _auto_plan().table()  # plan_split: as if under DDP
 
 
 @pytest.mark.parametrize(
     "options,words",
     [
         ({"min_piece_mb": "automatic"}, ["'min_piece_mb'", "'automatic'", "'auto'"]),
-        ({"link_gbps": 10}, ["'link_gbps'=10", "min_piece_mb='auto'"]),
+        ({"min_piece_mb": None, "link_gbps": 10}, ["'link_gbps'=10", "min_piece_mb='auto'"]),
         ({"min_piece_mb": "auto", "link_gbps": 0}, ["'link_gbps'", "got 0", "float('inf')"]),
         ({"min_piece_mb": "auto", "link_gbps": -1.0}, ["'link_gbps'", "got -1.0"]),
         ({"min_piece_mb": "auto", "link_gbps": float("nan")}, ["'link_gbps'", "got nan"]),

@@ -119,7 +119,7 @@ def test_the_supported_range_is_the_one_pyproject_declares() -> None:
 
 def test_on_inner_failure_raise_propagates_with_the_piece_named_and_state_restored() -> None:
     counting = CountingCompiler(fail_on={1})
-    backend = DDPSplitBackend(SplitConfig(inner=counting, bucket_cap_mb=0.015, on_inner_failure="raise"))
+    backend = DDPSplitBackend(SplitConfig(min_piece_mb=None, inner=counting, bucket_cap_mb=0.015, on_inner_failure="raise"))
     model = MLP(width=64, depth=3)
     before = GlobalState.capture()
     with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(Exception) as failure:
@@ -135,7 +135,7 @@ def test_on_inner_failure_raise_propagates_with_the_piece_named_and_state_restor
 
 def test_on_inner_failure_eager_records_the_exception_with_its_traceback() -> None:
     counting = CountingCompiler(fail_on={0})
-    backend = DDPSplitBackend(SplitConfig(inner=counting, bucket_cap_mb=0.015))
+    backend = DDPSplitBackend(SplitConfig(min_piece_mb=None, inner=counting, bucket_cap_mb=0.015))
     model = MLP(width=64, depth=3)
     x = torch.randn(2, 64)
     with pytest.warns(UserWarning, match="failed on piece 0 of 3"):
@@ -194,7 +194,7 @@ def test_pieces_with_and_without_a_backward_match_eager(inner: str, reuse: bool)
     expected_grads = [p.grad.clone() if p.grad is not None else None for p in model.parameters()]
     model.zero_grad(set_to_none=True)
 
-    backend = DDPSplitBackend(SplitConfig(inner=inner, bucket_cap_mb=0.015, reuse_identical_pieces=reuse))
+    backend = DDPSplitBackend(SplitConfig(min_piece_mb=None, inner=inner, bucket_cap_mb=0.015, reuse_identical_pieces=reuse))
     actual = torch.compile(model, backend=backend)(x)
     actual.sum().backward()
     (record,) = backend.records
@@ -242,7 +242,7 @@ def test_each_backward_compile_sees_its_own_pieces_metadata() -> None:
     """Backward reaches pieces 4, 3, 2 and 0 (not the no_grad piece 1), and each backward
     compile must be handed the forward metadata of that very piece."""
     witness = MetadataWitness()
-    backend = DDPSplitBackend(SplitConfig(inner=witness, bucket_cap_mb=0.015))
+    backend = DDPSplitBackend(SplitConfig(min_piece_mb=None, inner=witness, bucket_cap_mb=0.015))
     model = GradModes()
     torch.compile(model, backend=backend)(torch.randn(4, 64)).sum().backward()
     record = backend.records[-1]

@@ -71,7 +71,7 @@ def test_callable_inner_compiles_every_piece() -> None:
         calls.append(len(gm.graph.nodes))
         return gm.forward
 
-    backend = DDPSplitBackend(SplitConfig(inner=inner, bucket_cap_mb=0.015))
+    backend = DDPSplitBackend(SplitConfig(inner=inner, bucket_cap_mb=0.015, min_piece_mb=None))
     model = MLP(width=64, depth=3)
     x = torch.randn(2, 64)
     torch.testing.assert_close(torch.compile(model, backend=backend)(x), model(x))

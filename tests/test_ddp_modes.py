@@ -17,7 +17,7 @@ pytestmark = pytest.mark.usefixtures("world1")
 @pytest.mark.parametrize("wrap", ["compile_outside", "compile_inside"])
 def test_both_wrapping_orders_use_the_ddp_modules_cap(counting, wrap) -> None:
     torch._dynamo.config.optimize_ddp = False
-    backend = DDPSplitBackend(SplitConfig(inner=counting))
+    backend = DDPSplitBackend(SplitConfig(inner=counting, min_piece_mb=None))
     compare_with_eager_ddp(lambda: MLP(width=128, depth=4), [torch.randn(4, 128)],
                            backend=backend, bucket_cap_mb=0.06, wrap=wrap)
     plan = backend.records[-1].plan
@@ -29,7 +29,7 @@ def test_both_wrapping_orders_use_the_ddp_modules_cap(counting, wrap) -> None:
 def test_default_optimize_ddp_pieces_are_never_split_again(counting) -> None:
     """Under torch's default config DDPOptimizer cuts first; ddp_split compiles its pieces whole."""
     assert torch._dynamo.config.optimize_ddp is True
-    backend = DDPSplitBackend(SplitConfig(inner=counting, bucket_cap_mb=0.0001))
+    backend = DDPSplitBackend(SplitConfig(min_piece_mb=None, inner=counting, bucket_cap_mb=0.0001))
     with pytest.warns(UserWarning, match="DDPOptimizer already split"):
         compare_with_eager_ddp(lambda: MLP(width=512, depth=4), [torch.randn(4, 512)],
                                backend=backend, bucket_cap_mb=1)

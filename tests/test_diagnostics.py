@@ -20,7 +20,7 @@ SCRIPT = """
 import torch
 from tests.models import MLP
 from ddp_split_backend import DDPSplitBackend, SplitConfig
-backend = DDPSplitBackend(SplitConfig(inner="aot_eager", bucket_cap_mb=0.02))
+backend = DDPSplitBackend(SplitConfig(min_piece_mb=None, inner="aot_eager", bucket_cap_mb=0.02))
 torch.compile(MLP(width=64, depth=3), backend=backend)(torch.randn(2, 64))
 """
 
@@ -40,7 +40,7 @@ class Breaks(torch.nn.Module):
         print("break here")
         return self.b(x)
 
-backend = DDPSplitBackend(SplitConfig(inner="aot_eager", bucket_cap_mb=0.02))
+backend = DDPSplitBackend(SplitConfig(min_piece_mb=None, inner="aot_eager", bucket_cap_mb=0.02))
 torch.compile(Breaks(), backend=backend)(torch.randn(2, 64))
 """
 
@@ -80,7 +80,7 @@ def test_trace_structured_artifacts_are_written(tmp_path) -> None:
 def test_explain_returns_the_plan_the_backend_used(counting) -> None:
     model = StateRegions(kind="autocast")
     x = torch.randn(4, 32)
-    options = {"bucket_cap_mb": 0.001, "first_bucket_cap_mb": 0.001}
+    options = {"min_piece_mb": None, "bucket_cap_mb": 0.001, "first_bucket_cap_mb": 0.001}
     backend = DDPSplitBackend(SplitConfig(inner=counting, **options))
     torch.compile(model, backend=backend)(x)
     result = explain(model, x, **options)
@@ -121,7 +121,7 @@ def test_cli_explain(tmp_path) -> None:
     png = tmp_path / "cli.png"
     out = subprocess.run(
         [sys.executable, "-m", "ddp_split_backend", "explain", "tests.test_plan:ToyModel",
-         "--input-shape", "4,10", "--png", str(png)],
+         "--input-shape", "4,10", "--min-piece-mb", "none", "--png", str(png)],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
         timeout=300, check=True,
     ).stdout
@@ -166,7 +166,7 @@ def test_explain_leaves_no_cache_entries_buffers_or_rng_changes(counting) -> Non
     assert torch.equal(torch.get_rng_state(), rng)
 
     reference = copy.deepcopy(model)
-    backend = DDPSplitBackend(SplitConfig(inner=counting, bucket_cap_mb=0.001, first_bucket_cap_mb=0.001))
+    backend = DDPSplitBackend(SplitConfig(min_piece_mb=None, inner=counting, bucket_cap_mb=0.001, first_bucket_cap_mb=0.001))
     torch.manual_seed(1)
     expected = reference(x)
     torch.manual_seed(1)

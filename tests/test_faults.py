@@ -219,7 +219,7 @@ def test_runtime_error_in_region_names_piece_and_restores_state(region: str, inn
 def test_runtime_error_in_unsplit_graph_run_by_eager_backend_restores_state(region: str) -> None:
     """One piece (a cap larger than the model), inner ``eager``: the whole graph runs as
     Python; the inference-mode guards it entered are exited when it raises."""
-    backend = DDPSplitBackend(SplitConfig(inner="eager", bucket_cap_mb=100))
+    backend = DDPSplitBackend(SplitConfig(min_piece_mb=None, inner="eager", bucket_cap_mb=100))
     model = IndexInRegion(region)
     compiled = torch.compile(model, backend=backend)
     x = torch.randn(4, 8)
@@ -264,7 +264,7 @@ class DetachInputInInference(nn.Module):
 def test_inference_mode_compile_failure_falls_back_and_process_stays_usable(
     caps: str, nested: bool
 ) -> None:
-    options = TINY if caps == "split" else {"bucket_cap_mb": 25}
+    options = TINY if caps == "split" else {"min_piece_mb": None, "bucket_cap_mb": 25}
     _, natural = _pieces(lambda: DetachInputInInference(nested=nested), torch.randn(4, 8), options)
     # The detach fails on every release; 2.11 and 2.12 fail on every inference_mode piece.
     assert len(natural) == 1 or (len(natural) > 1 and not _torch.aot_compiles_inference_mode_under_autograd())
@@ -334,22 +334,22 @@ def test_attempt_restores_autograd_state_leaked_out_of_order(ambient: str) -> No
 BAD_COMBINATIONS = [
     (
         "first_above_cap",
-        {"inner": "aot_eager", "bucket_cap_mb": 1, "first_bucket_cap_mb": 2},
+        {"min_piece_mb": None, "inner": "aot_eager", "bucket_cap_mb": 1, "first_bucket_cap_mb": 2},
         ["'first_bucket_cap_mb'=2", "'bucket_cap_mb'=1", "Lower first_bucket_cap_mb"],
     ),
     (
         "first_above_small_cap",
-        {"bucket_cap_mb": 0.001, "first_bucket_cap_mb": 0.25},
+        {"min_piece_mb": None, "bucket_cap_mb": 0.001, "first_bucket_cap_mb": 0.25},
         ["'first_bucket_cap_mb'=0.25", "'bucket_cap_mb'=0.001", "Lower first_bucket_cap_mb"],
     ),
     (
         "inner_is_ddp_split",
-        {"inner": "ddp_split", "bucket_cap_mb": 4, "first_bucket_cap_mb": 1},
+        {"min_piece_mb": None, "inner": "ddp_split", "bucket_cap_mb": 4, "first_bucket_cap_mb": 1},
         ["'inner'='ddp_split'", "split every piece again", "inner='aot_eager'"],
     ),
     (
         "inner_is_ddp_split_and_first_above_cap",
-        {"inner": "ddp_split", "bucket_cap_mb": 1, "first_bucket_cap_mb": 2},
+        {"min_piece_mb": None, "inner": "ddp_split", "bucket_cap_mb": 1, "first_bucket_cap_mb": 2},
         ["'inner'", "ddp_split", "inner='aot_eager'"],
     ),
 ]
@@ -375,7 +375,7 @@ def test_bad_option_combination_is_rejected_before_compiling() -> None:
     compiled = torch.compile(
         MLP(width=8, depth=2),
         backend="ddp_split",
-        options={"inner": counting, "bucket_cap_mb": 0.5, "first_bucket_cap_mb": 0.75},
+        options={"min_piece_mb": None, "inner": counting, "bucket_cap_mb": 0.5, "first_bucket_cap_mb": 0.75},
     )
     with pytest.raises(Exception, match="first_bucket_cap_mb"):
         compiled(torch.randn(2, 8))

@@ -64,7 +64,7 @@ def _piece_code(region: str) -> str:
     torch._dynamo.reset()
     torch.compile(Four(region), backend=capture)(torch.randn(2, 8))
     (gm, example_inputs), = graphs
-    config = SplitConfig(bucket_cap_mb=0.0002, first_bucket_cap_mb=0.0002)
+    config = SplitConfig(min_piece_mb=None, bucket_cap_mb=0.0002, first_bucket_cap_mb=0.0002)
     plan = plan_split(gm, example_inputs, config=config)
     split = split_graph(gm, layout_graph(gm, Ambient.capture()), plan.cuts)
     text = "\n".join(f"# piece {p.index} (grad={p.grad})\n{p.gm.code.strip()}" for p in split.pieces)

@@ -41,9 +41,12 @@ def recorder() -> RecordConfig:
     return record
 
 
-def _train_step(compiled: torch.nn.Module, width: int) -> None:
+def _train_step(compiled: torch.nn.Module, width: int, steps: int = 1) -> None:
+    """``steps=2`` under the default ``min_piece_mb="auto"``: its first training step runs
+    the graph eagerly (Note [Measuring the link]), so backward compiles at the second."""
     with own_split():
-        compiled(torch.randn(4, width)).sum().backward()
+        for _ in range(steps):
+            compiled(torch.randn(4, width)).sum().backward()
 
 
 def _compiled_pieces() -> int:
@@ -56,7 +59,7 @@ def test_torch_compile_mode_is_in_force_while_every_piece_compiles(world1, recor
     torch.manual_seed(0)
     model = DDP(MLP(width=16, depth=4), bucket_cap_mb=0.001)
     compiled = torch.compile(model, backend="ddp_split", mode="max-autotune-no-cudagraphs")
-    _train_step(compiled, 16)
+    _train_step(compiled, 16, steps=2)
     pieces = _compiled_pieces()
     assert len(recorder.seen) == 2 * pieces  # forward and backward of every distinct piece
     for seen in recorder.seen:
@@ -67,7 +70,7 @@ def test_torch_compile_mode_is_in_force_while_every_piece_compiles(world1, recor
 
 def test_default_mode_leaves_inductor_settings_alone(world1, recorder) -> None:
     model = DDP(MLP(width=16, depth=4), bucket_cap_mb=0.001)
-    _train_step(torch.compile(model, backend="ddp_split"), 16)
+    _train_step(torch.compile(model, backend="ddp_split"), 16, steps=2)
     assert len(recorder.seen) == 2 * _compiled_pieces()
     assert all(s["max_autotune"] is False for s in recorder.seen)
 
@@ -77,6 +80,7 @@ def test_inner_options_are_in_force_over_the_mode(world1, recorder) -> None:
     options = {
         "inner": "inductor",
         "bucket_cap_mb": 0.001,
+        "min_piece_mb": None,
         "mode": "max-autotune-no-cudagraphs",
         "inner_options": {"size_asserts": False, "coordinate_descent_tuning": False},
     }

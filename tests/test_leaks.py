@@ -52,7 +52,7 @@ def _compile_and_drop(backend: DDPSplitBackend) -> tuple[list[weakref.ref], Comp
 @pytest.mark.parametrize("fail", [False, True], ids=["compiled", "failed"])
 @pytest.mark.parametrize("whole", [False, True], ids=["pieces", "whole"])
 def test_parameters_die_with_the_model(fail: bool, whole: bool) -> None:
-    caps = {"bucket_cap_mb": 100.0} if whole else TINY
+    caps = {"min_piece_mb": None, "bucket_cap_mb": 100.0} if whole else TINY
     backend = DDPSplitBackend(SplitConfig(inner=FailOn(frozenset({0} if fail else ())), **caps))
     with pytest.warns(UserWarning, match="failed on piece") if fail else _no_warning():
         refs, record = _compile_and_drop(backend)

@@ -1,4 +1,4 @@
-"""min_piece_mb="auto" without link_gbps: one piece, measured first steps, one re-plan.
+"""The default, min_piece_mb="auto" without link_gbps: one piece, measured first steps, one re-plan.
 
 Note [Measuring the link] in regroup.py. The comm hook is the benchmarks' simulated link
 (``benchmarks/overlap.py``), whose speed is known, wrapped by ``watch_overlap`` so that the
@@ -28,7 +28,8 @@ pytestmark = pytest.mark.usefixtures("world1")
 
 WIDTH, DEPTH = 512, 8
 MIB = 2**20
-AUTO = {"inner": "aot_eager", "min_piece_mb": "auto"}
+AUTO = {"inner": "aot_eager"}
+"""The default options (``min_piece_mb="auto"``, no ``link_gbps``) with the inner backend named."""
 
 
 def send(state, bucket):  # no annotations: DDP checks them, and here they are strings
@@ -133,7 +134,8 @@ def test_without_ddp_nothing_is_measured() -> None:
     for _ in range(STEPS_BEFORE_REPLAN + 1):
         model(torch.randn(4, 64)).sum().backward()
     (record,) = ddp_split.records
-    assert record.plan.sizing is not None and "not measured" not in record.plan.sizing.link
+    assert record.plan.sizing is not None and record.plan.sizing.link == "no DDP module: nothing to send"
+    assert len(record.plan.pieces) == 1 < len(record.plan.buckets)  # nothing to overlap: one piece
 
 
 def test_the_measurement_rescales_the_estimates_and_gives_the_links_speed() -> None:

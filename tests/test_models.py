@@ -279,7 +279,7 @@ class Repeated(nn.Module):
 @pytest.mark.parametrize("reuse", [True, False], ids=["reuse", "no_reuse"])
 def test_identical_pieces_compile_once_and_stay_correct(reuse: bool) -> None:
     counting = CountingCompiler()
-    backend = DDPSplitBackend(SplitConfig(inner=counting, reuse_identical_pieces=reuse,
+    backend = DDPSplitBackend(SplitConfig(min_piece_mb=None, inner=counting, reuse_identical_pieces=reuse,
                                           bucket_cap_mb=0.004, first_bucket_cap_mb=0.004))
     model = Repeated()  # one block (4,224 + 256 bytes) per piece
     for _ in range(2):  # the second step runs the shared backward again
@@ -312,7 +312,7 @@ class FrozenTrunk(nn.Module):
 
 def test_pieces_alike_but_in_other_grad_mode_are_not_shared() -> None:
     counting = CountingCompiler()
-    backend = DDPSplitBackend(SplitConfig(inner=counting, reuse_identical_pieces=True,
+    backend = DDPSplitBackend(SplitConfig(min_piece_mb=None, inner=counting, reuse_identical_pieces=True,
                                           bucket_cap_mb=0.0001, first_bucket_cap_mb=0.0001))
     _check_eager_equal(FrozenTrunk(), [torch.randn(2, 8)], backend)
     record = backend.records[-1]

@@ -44,7 +44,7 @@ def _launched_before_backward_ends(backend: str, inner: str | None) -> tuple[int
     ddp = DDP(TanhStack(WIDTH, DEPTH), bucket_cap_mb=1)
     launches = Launches()
     ddp.register_comm_hook(launches, record_launch)
-    options = {"inner": inner, "bucket_cap_mb": 1} if backend == "ddp_split" else None
+    options = {"min_piece_mb": None, "inner": inner, "bucket_cap_mb": 1} if backend == "ddp_split" else None
     compiled = torch.compile(ddp, backend=backend, options=options)
     before = 0
     with ddp_split_backend.own_split():

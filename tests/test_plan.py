@@ -28,7 +28,8 @@ class ToyModel(nn.Module):
 
 
 def _compile_plan(model: nn.Module, x: torch.Tensor, counting, **config) -> DDPSplitBackend:
-    backend = DDPSplitBackend(SplitConfig(inner=counting, **config))
+    """Compiled with a piece per bucket (the cuts these tests check), unless ``config`` says."""
+    backend = DDPSplitBackend(SplitConfig(inner=counting, **{"min_piece_mb": None, **config}))
     torch.compile(model, backend=backend)(x)
     return backend
 
@@ -76,7 +77,7 @@ def test_piece_count_matches_torch_ddp_optimizer(counting) -> None:
         optimizer.compile_fn(gm, example_inputs)
         from ddp_split_backend import plan_split
 
-        plan = plan_split(gm, example_inputs, config=SplitConfig(bucket_cap_mb=cap, first_bucket_cap_mb=cap))
+        plan = plan_split(gm, example_inputs, config=SplitConfig(min_piece_mb=None, bucket_cap_mb=cap, first_bucket_cap_mb=cap))
         assert len(plan.buckets) == max(1, len(pieces)), cap
 
 

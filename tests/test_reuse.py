@@ -103,7 +103,7 @@ def test_regression_slices_in_pieces_compile_by_name_and_share_pieces() -> None:
     model.zero_grad()
     x.grad = None
     ddp_split.records.clear()
-    compiled = torch.compile(model, backend="ddp_split", options={"inner": "aot_eager", "bucket_cap_mb": 0.004})
+    compiled = torch.compile(model, backend="ddp_split", options={"min_piece_mb": None, "inner": "aot_eager", "bucket_cap_mb": 0.004})
     actual = compiled(x)
     actual.sum().backward()
     torch.testing.assert_close(actual, expected)
@@ -213,7 +213,7 @@ def test_a_piece_after_a_shared_one_sees_inference_inputs(counting) -> None:
     model = InferenceBlocksAndHead()
     x = torch.randn(4, 32)
     expected = model(x)
-    backend = DDPSplitBackend(SplitConfig(
+    backend = DDPSplitBackend(SplitConfig(min_piece_mb=None, 
         inner=counting, bucket_cap_mb=0.002, first_bucket_cap_mb=0.002, reuse_identical_pieces=True,
     ))
     actual = torch.compile(model, backend=backend)(x)

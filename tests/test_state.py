@@ -36,7 +36,7 @@ def _targets(gm) -> list[str]:
 @pytest.mark.parametrize("ambient_grad", [True, False], ids=["grad_on", "grad_off"])
 def test_state_region_across_cut_matches_eager(world1, counting, kind: str, ambient_grad: bool) -> None:
     torch._dynamo.config.optimize_ddp = False
-    backend = DDPSplitBackend(SplitConfig(inner=counting, bucket_cap_mb=0.001, first_bucket_cap_mb=0.001))
+    backend = DDPSplitBackend(SplitConfig(min_piece_mb=None, inner=counting, bucket_cap_mb=0.001, first_bucket_cap_mb=0.001))
     x = torch.randn(4, 32)
     before = GlobalState.capture()
     with torch.set_grad_enabled(ambient_grad):
@@ -54,7 +54,7 @@ def test_state_region_across_cut_matches_eager(world1, counting, kind: str, ambi
 
 def test_nested_autocast_cut_inside_inner_region_replays_both(counting) -> None:
     model = StateRegions(kind="autocast")
-    backend = DDPSplitBackend(SplitConfig(inner=counting, bucket_cap_mb=0.001, first_bucket_cap_mb=0.001))
+    backend = DDPSplitBackend(SplitConfig(min_piece_mb=None, inner=counting, bucket_cap_mb=0.001, first_bucket_cap_mb=0.001))
     x = torch.randn(4, 32)
     out = torch.compile(model, backend=backend)(x)
     expected = model(x)
@@ -86,7 +86,7 @@ def test_piece_state_holds_at_compile_time(counting) -> None:
         return aot_autograd(fw_compiler=fw)(gm, example_inputs)
 
     model = StateRegions(kind="autocast_fp16")
-    backend = DDPSplitBackend(SplitConfig(inner=tracing_inner, bucket_cap_mb=0.001, first_bucket_cap_mb=0.001))
+    backend = DDPSplitBackend(SplitConfig(min_piece_mb=None, inner=tracing_inner, bucket_cap_mb=0.001, first_bucket_cap_mb=0.001))
     torch.compile(model, backend=backend)(torch.randn(4, 32))
     dtypes = [d for piece in seen for d in piece]
     assert dtypes.count(torch.float16) == 3, dtypes  # the three layers inside the region
@@ -94,7 +94,7 @@ def test_piece_state_holds_at_compile_time(counting) -> None:
 
 def test_ambient_autocast_is_respected(counting) -> None:
     model = StateRegions(kind="grad")
-    backend = DDPSplitBackend(SplitConfig(inner=counting, bucket_cap_mb=0.001, first_bucket_cap_mb=0.001))
+    backend = DDPSplitBackend(SplitConfig(min_piece_mb=None, inner=counting, bucket_cap_mb=0.001, first_bucket_cap_mb=0.001))
     compiled = torch.compile(model, backend=backend)
     x = torch.randn(4, 32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -172,7 +172,7 @@ class DualThroughMethod(nn.Module):
 def test_regression_dual_tensor_through_call_method_is_not_cut() -> None:
     model = DualThroughMethod()
     x = torch.randn(4, 8)
-    backend = DDPSplitBackend(SplitConfig(inner="aot_eager", bucket_cap_mb=0.0001, first_bucket_cap_mb=0.0001))
+    backend = DDPSplitBackend(SplitConfig(min_piece_mb=None, inner="aot_eager", bucket_cap_mb=0.0001, first_bucket_cap_mb=0.0001))
     with torch.no_grad():
         expected = model(x)
         actual = torch.compile(model, backend=backend)(x)
@@ -205,7 +205,7 @@ def test_regression_piece_starting_in_inference_mode_falls_back_when_aot_cannot_
     saves an inference tensor for backward; that piece must run eagerly, not fail the frame."""
     model = InferenceTensorEscapes()
     x = torch.randn(4, 8)
-    backend = DDPSplitBackend(SplitConfig(inner="aot_eager", bucket_cap_mb=0.0003, first_bucket_cap_mb=0.0003))
+    backend = DDPSplitBackend(SplitConfig(min_piece_mb=None, inner="aot_eager", bucket_cap_mb=0.0003, first_bucket_cap_mb=0.0003))
     expected = model(x)
     expected.sum().backward()
     want = take_grads(model)
@@ -243,7 +243,7 @@ def test_regression_enable_grad_under_ambient_no_grad_keeps_the_autograd_chain(r
     called with autograd on, and a shared piece's outputs must still carry history."""
     model = EnableGradInsideNoGrad()
     x = torch.randn(8, 8)
-    backend = DDPSplitBackend(SplitConfig(inner="aot_eager", bucket_cap_mb=0.0001,
+    backend = DDPSplitBackend(SplitConfig(min_piece_mb=None, inner="aot_eager", bucket_cap_mb=0.0001,
                                           first_bucket_cap_mb=0.0001, reuse_identical_pieces=reuse))
     with torch.no_grad():
         expected = model(x)
