@@ -15,7 +15,7 @@ One script, five parts, run from the working tree with whatever torch the machin
    many CUDA graphs were recorded, DDP's bucket hooks still launched between the pieces'
    graphs, peak memory against the default mode. CUDA only.
 3. ``step``: step time and peak memory of eager DDP, one compiled graph, torch's
-   DDPOptimizer, ddp_split (default, and grouped with ``min_piece_mb``), on a simulated link
+   DDPOptimizer, ddp_split (a piece per bucket, and grouped with ``min_piece_mb``), on a simulated link
    whose speed is set from the backward time measured in the same run (communication 0.5x
    and 2x backward), modes stepped round-robin, device-synchronised timing.
 4. ``overlap`` (measured with 3): when each bucket was ready/launched relative to the end of
@@ -315,7 +315,9 @@ def run_case(case: Case, *, inner: str, device: str, size: Size, rank: int, step
     cap_mb = splitting_cap_mb(base, size)
     eager = build_mode("eager_ddp", base, inner=inner, cap_mb=cap_mb)
     expected = train(eager, case, batches, device)
-    options = {"inner_options": {"fallback_random": True}} if inner == "inductor" and case.dropout else None
+    options: dict[str, Any] = {"min_piece_mb": None}  # a piece per bucket: every case crosses cuts
+    if inner == "inductor" and case.dropout:
+        options["inner_options"] = {"fallback_random": True}
     split = build_mode("ddp_split", base, inner=inner, cap_mb=cap_mb, wrap=case.wrap,
                        options=options)
     ddp_split_backend.ddp_split.records.clear()
@@ -536,11 +538,13 @@ def step_modes(args: argparse.Namespace) -> dict[str, Any]:
     with process_group("nccl" if device == "cuda" else "gloo"):
         modes = []
         for name in names:
-            options = {}
+            # A piece per bucket: the default "auto" re-plans after its first steps for the
+            # link it measured then, while this part changes the link's speed after warm-up.
+            options: dict[str, Any] = {"min_piece_mb": None}
             if name == "ddp_split_grouped":
                 options = {"min_piece_mb": total_bytes / MIB / 4}
             if name == "ddp_split_reduce_overhead":
-                options = {"mode": "reduce-overhead"}
+                options = {"mode": "reduce-overhead", "min_piece_mb": None}
             mode = build_mode(name, base, inner=args.inner, cap_mb=size.cap_mb, options=options)
             mode.ddp.register_comm_hook(link, link_hook)
             modes.append(mode)
@@ -622,7 +626,7 @@ def reduce_overhead(args: argparse.Namespace, steps: dict[str, Any] | None) -> d
         eager = build_mode("eager_ddp", base, inner="inductor", cap_mb=args.size.cap_mb)
         expected = train(eager, case, batches, "cuda")
         graphed = build_mode("ddp_split_reduce_overhead", base, inner="inductor", cap_mb=args.size.cap_mb,
-                             options={"mode": "reduce-overhead"})
+                             options={"mode": "reduce-overhead", "min_piece_mb": None})
         original = graphed.context
 
         def step_marked() -> contextlib.AbstractContextManager[Any]:

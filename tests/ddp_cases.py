@@ -130,7 +130,7 @@ def run_case(rank: int, case: str) -> dict[str, Any]:
         batches = [((torch.randn(n, 64, generator=gen),), torch.randn(n, 64, generator=gen)) for n in sizes]
 
     eager_ddp = DDP(copy.deepcopy(base), **ddp_kwargs)
-    backend = DDPSplitBackend(SplitConfig(inner="aot_eager"))
+    backend = DDPSplitBackend(SplitConfig(inner="aot_eager", min_piece_mb=None))  # the cuts, under each DDP mode
     if wrap == "outside":
         split_ddp = DDP(copy.deepcopy(base), **ddp_kwargs)
         split_model: nn.Module = torch.compile(split_ddp, backend=backend)

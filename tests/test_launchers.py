@@ -179,8 +179,10 @@ def test_launcher_recipe_matches_run_without_compile(launcher: str, tmp_path: Pa
 
     log = runs[0][1].read_text(errors="replace")
     assert "DDPOptimizer already split" not in log and "DDPOptimizer piece" not in log, tail(runs[0][1])
-    logged = [int(n) for n in re.findall(r"ddp_split plan .*\(ddp_split\): (\d+) pieces", log)]
-    assert logged and max(logged) >= 2, f"no plan table of 2+ pieces in the log:\n{tail(runs[0][1])}"
+    # The default min_piece_mb="auto" re-plans after measuring under DDP: only if the
+    # recipe put ddp_split in charge of a DDP module (8 steps: past the re-plan).
+    logged = re.findall(r"ddp_split plan (.*) \(ddp_split\): \d+ pieces", log)
+    assert any(name.endswith("re-planned") for name in logged), f"no re-planned plan in the log:\n{tail(runs[0][1])}"
 
     compiled = torch.load(tmp_path / "compiled.pt")
     eager = torch.load(tmp_path / "eager.pt")

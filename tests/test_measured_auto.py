@@ -80,6 +80,36 @@ def test_a_slow_link_is_measured_and_the_graph_regrouped(link: Any) -> None:
     assert all(s.ready_before_end >= len(replanned.pieces) - 1 for s in report.steps), report.table()
 
 
+def test_a_real_model_on_the_default_path_regroups_and_matches_eager_ddp(link: Any) -> None:
+    """transformers' GPT-2 (tiny config, HF loss: two Dynamo graphs), ``backend="ddp_split"``
+    by name with default options, over a link that takes about as long as its backward."""
+    pytest.importorskip("transformers")
+    from .real_models import MODELS, cap_mb
+    from .test_real_models import AOT_EAGER_TOLERANCE
+
+    spec = MODELS["gpt2"]
+    torch.manual_seed(0)
+    base = spec.build()
+    cap = cap_mb(base, "several")  # about 4 buckets
+    link.bandwidth = sum(p.numel() * p.element_size() for p in base.parameters()) / 0.02  # 20 ms a step
+    eager = DDP(copy.deepcopy(base), bucket_cap_mb=cap)
+    eager.register_comm_hook(link, send)
+    split = DDP(copy.deepcopy(base), bucket_cap_mb=cap)
+    split.register_comm_hook(link, send)
+    compiled = torch.compile(split, backend="ddp_split", options=AUTO)
+    gen = torch.Generator().manual_seed(0)
+    with ddp_split_backend.own_split():
+        for _ in range(STEPS_BEFORE_REPLAN + 3):
+            batch = spec.batch(gen)
+            for model in (eager, compiled):
+                model.zero_grad()
+                spec.loss(model, batch).backward()
+            for a, e in zip(split.parameters(), eager.parameters(), strict=True):
+                torch.testing.assert_close(a.grad, e.grad, **AOT_EAGER_TOLERANCE)
+    replanned = [r.plan for r in ddp_split.records if r.plan.graph_name.endswith("re-planned")]
+    assert replanned and max(len(plan.pieces) for plan in replanned) > 1, [p.table() for p in replanned]
+
+
 def test_free_communication_keeps_one_piece_and_compiles_nothing_more() -> None:
     eager, split, compiled = _pair(instant, None)
     split.register_comm_hook(None, instant)
@@ -172,13 +202,23 @@ def test_timing_ddps_copy_back_leaves_the_parameters_alone() -> None:
 
 
 @pytest.mark.multiprocess
-def test_two_ranks_measure_regroup_and_match_eager_ddp(tmp_path) -> None:
-    """Each rank measures its own steps and may group differently; DDP's buckets, and so the
-    gradients, do not depend on the pieces."""
-    steps = STEPS_BEFORE_REPLAN + 2
-    results = run_ranks(_grouped_sgd_worker, tmp_path, world=2, min_piece_mb="auto", steps=steps)
+@pytest.mark.parametrize(
+    "ddp_kwargs",
+    [{}, {"static_graph": True}, {"find_unused_parameters": True}, {"gradient_as_bucket_view": True}],
+    ids=["plain", "static_graph", "find_unused", "bucket_view"],
+)
+def test_two_ranks_measure_regroup_and_match_eager_ddp(tmp_path, ddp_kwargs) -> None:
+    """Each rank measures its own steps over a slow allreduce (every bucket 3 ms late) and
+    regroups, under each DDP mode; DDP's buckets, and so the gradients, do not depend on the
+    pieces."""
+    steps = STEPS_BEFORE_REPLAN + 3
+    results = run_ranks(
+        _grouped_sgd_worker, tmp_path, world=2, min_piece_mb="auto", steps=steps, ddp_kwargs=ddp_kwargs,
+        delay_s=3e-3,
+    )
     for result in results:
         assert result["graph_name"].endswith("re-planned")
+        assert 1 < len(result["pieces"]) < 8, result["sizing"]  # 8 buckets of one layer each
         for a, e in zip(result["split"], result["eager"], strict=True):
             torch.testing.assert_close(a, e)
     for a, b in zip(results[0]["split"], results[1]["split"], strict=True):

@@ -7,9 +7,11 @@ MiB each layer is its own DDP bucket (8 buckets) and ``min_piece_mb`` picks the 
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_split_backend import SplitConfig, SplitConfigError, ddp_split, own_split, plan_split
@@ -103,19 +105,39 @@ def test_grouped_pieces_by_name_match_eager_ddp_and_keep_ddp_buckets(world1) -> 
     assert len(reducer_bucket_names(split_ddp)) == len(plan.buckets) == 8
 
 
-def _grouped_sgd_worker(rank: int, world: int, steps: int = 3, min_piece_mb: float | str = 0.04) -> dict:
+def slow_allreduce(delay_s, bucket):  # no annotations: DDP checks them
+    """The mean over ranks, completed ``delay_s`` after the allreduce: a slow link."""
+    buffer = bucket.buffer().div_(dist.get_world_size())
+
+    def late(fut):
+        time.sleep(delay_s)
+        return fut.value()[0]
+
+    return dist.all_reduce(buffer, async_op=True).get_future().then(late)
+
+
+def _grouped_sgd_worker(
+    rank: int,
+    world: int,
+    steps: int = 3,
+    min_piece_mb: float | str = 0.04,
+    ddp_kwargs: dict | None = None,
+    delay_s: float = 0.0,
+) -> dict:
+    """SGD steps of eager DDP and ddp_split side by side; ``delay_s``: both send through
+    :func:`slow_allreduce`, each bucket that much late."""
     import ddp_split_backend
     from ddp_split_backend import ddp_split
     from tests.models import MLP
 
     torch.manual_seed(0)
     base = MLP(width=64, depth=8)
-    eager = DDP(copy.deepcopy(base), bucket_cap_mb=CAP_MB)
-    split = torch.compile(
-        DDP(copy.deepcopy(base), bucket_cap_mb=CAP_MB),
-        backend="ddp_split",
-        options={"inner": "aot_eager", "min_piece_mb": min_piece_mb},
-    )
+    eager = DDP(copy.deepcopy(base), bucket_cap_mb=CAP_MB, **(ddp_kwargs or {}))
+    split_ddp = DDP(copy.deepcopy(base), bucket_cap_mb=CAP_MB, **(ddp_kwargs or {}))
+    if delay_s:
+        for ddp in (eager, split_ddp):
+            ddp.register_comm_hook(delay_s, slow_allreduce)
+    split = torch.compile(split_ddp, backend="ddp_split", options={"inner": "aot_eager", "min_piece_mb": min_piece_mb})
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, split)]
     torch.manual_seed(100 + rank)  # each rank sees different data
     batches = [torch.randn(8, 64) for _ in range(steps)]
@@ -132,6 +154,7 @@ def _grouped_sgd_worker(rank: int, world: int, steps: int = 3, min_piece_mb: flo
         "pieces": [[b.bucket for b in p.buckets] for p in plan.pieces],
         "sized_by_cost": plan.sizing is not None,
         "graph_name": plan.graph_name,
+        "sizing": plan.sizing.describe() if plan.sizing else None,
     }
 
 
