@@ -248,6 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     tokens_per_step = args.batch_size * cfg.block * args.accum * world
     first_loss = last_loss = math.nan
     wall = time.perf_counter()
+    printed = 0  # plans printed so far
     for step in range(args.steps):
         batches = [tuple(t.to(device) for t in data.batch(generator, args.batch_size, cfg.block))
                    for _ in range(args.accum)]
@@ -261,9 +262,10 @@ def main(argv: list[str] | None = None) -> None:
                 last_loss = loss
                 if step == 0:
                     first_loss = loss
-        if step == 0 and rank == 0:
-            for record in backend.records:
+        if rank == 0:  # each plan once: the first call's, and min_piece_mb="auto"'s re-plan
+            for record in list(backend.records)[printed:]:
                 print(record.plan.table(), flush=True)
+            printed = len(backend.records)
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             seconds = trainers[0].step_times[-1]
             print(f"step {step:4d}  loss {last_loss:.4f}  {tokens_per_step / seconds:9.0f} tok/s  "
