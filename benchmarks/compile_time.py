@@ -165,7 +165,8 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         # A callable inner backend turns piece reuse off by default; ask for what a backend
         # *name* gets (identical blocks compiled once).
         split_backend = TimedSplit(
-            SplitConfig(inner=counting, bucket_cap_mb=args.bucket_cap_mb, reuse_identical_pieces=not args.no_reuse)
+            SplitConfig(inner=counting, bucket_cap_mb=args.bucket_cap_mb, reuse_identical_pieces=not args.no_reuse,
+                        min_piece_mb=None)  # DDPOptimizer's pieces (auto's first call compiles one)
         )
         compiled = torch.compile(model, backend=split_backend)
         context = ddp_split_backend.own_split()

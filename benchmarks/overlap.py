@@ -225,7 +225,8 @@ def build_mode(name: str, inner: str, args: argparse.Namespace, link: Link, stat
         backend = CountingBackend(inner)
         target, context = torch.compile(module, backend=backend), _ddp_optimizer
     elif name == "ddp_split":
-        backend = DDPSplitBackend(SplitConfig(inner=inner, bucket_cap_mb=args.bucket_cap_mb))
+        # A piece per bucket, as DDPOptimizer cuts (step_overhead.py compares auto's groupings).
+        backend = DDPSplitBackend(SplitConfig(inner=inner, bucket_cap_mb=args.bucket_cap_mb, min_piece_mb=None))
         target, context = torch.compile(module, backend=backend), ddp_split_backend.own_split
     else:
         raise ValueError(name)
