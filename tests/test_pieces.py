@@ -86,7 +86,7 @@ def test_bad_min_piece_mb_names_the_option_and_the_fix(value) -> None:
 
 def test_grouped_pieces_by_name_match_eager_ddp_and_keep_ddp_buckets(world1) -> None:
     torch.manual_seed(0)
-    base = MLP(width=64, depth=8)
+    base = MLP(width=width, depth=8)
     eager = DDP(copy.deepcopy(base), bucket_cap_mb=CAP_MB)
     split_ddp = DDP(copy.deepcopy(base), bucket_cap_mb=CAP_MB)
     compiled = torch.compile(split_ddp, backend="ddp_split", options={"inner": "aot_eager", "min_piece_mb": 0.04})
@@ -123,6 +123,8 @@ def _grouped_sgd_worker(
     min_piece_mb: float | str = 0.04,
     ddp_kwargs: dict | None = None,
     delay_s: float = 0.0,
+    width: int = 64,
+    batch: int = 8,
 ) -> dict:
     """SGD steps of eager DDP and ddp_split side by side; ``delay_s``: both send through
     :func:`slow_allreduce`, each bucket that much late."""
@@ -131,7 +133,7 @@ def _grouped_sgd_worker(
     from tests.models import MLP
 
     torch.manual_seed(0)
-    base = MLP(width=64, depth=8)
+    base = MLP(width=width, depth=8)
     eager = DDP(copy.deepcopy(base), bucket_cap_mb=CAP_MB, **(ddp_kwargs or {}))
     split_ddp = DDP(copy.deepcopy(base), bucket_cap_mb=CAP_MB, **(ddp_kwargs or {}))
     if delay_s:
@@ -140,7 +142,7 @@ def _grouped_sgd_worker(
     split = torch.compile(split_ddp, backend="ddp_split", options={"inner": "aot_eager", "min_piece_mb": min_piece_mb})
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, split)]
     torch.manual_seed(100 + rank)  # each rank sees different data
-    batches = [torch.randn(8, 64) for _ in range(steps)]
+    batches = [torch.randn(batch, width) for _ in range(steps)]
     with ddp_split_backend.own_split():
         for x in batches:
             for model, opt in zip((eager, split), optimizers):
