@@ -86,7 +86,7 @@ def test_bad_min_piece_mb_names_the_option_and_the_fix(value) -> None:
 
 def test_grouped_pieces_by_name_match_eager_ddp_and_keep_ddp_buckets(world1) -> None:
     torch.manual_seed(0)
-    base = MLP(width=width, depth=8)
+    base = MLP(width=64, depth=8)
     eager = DDP(copy.deepcopy(base), bucket_cap_mb=CAP_MB)
     split_ddp = DDP(copy.deepcopy(base), bucket_cap_mb=CAP_MB)
     compiled = torch.compile(split_ddp, backend="ddp_split", options={"inner": "aot_eager", "min_piece_mb": 0.04})
