@@ -35,6 +35,7 @@ $(BENCH_STAMP): $(STAMP)
 
 bench: $(BENCH_STAMP)
 	$(PY) benchmarks/step_overhead.py
+	$(PY) benchmarks/replan_cost.py --inner inductor
 	$(PY) benchmarks/profile_step.py
 	$(PY) benchmarks/compile_time.py --out benchmarks/results/compile_time_reuse.json
 	$(PY) benchmarks/compile_time.py --no-reuse --modes ddp_optimizer ddp_split --repeats 1 \
