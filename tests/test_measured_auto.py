@@ -108,6 +108,8 @@ def test_a_real_model_on_the_default_path_regroups_and_matches_eager_ddp(link: A
                 torch.testing.assert_close(a.grad, e.grad, **AOT_EAGER_TOLERANCE)
     replanned = [r.plan for r in ddp_split.records if r.plan.graph_name.endswith("re-planned")]
     assert replanned and max(len(plan.pieces) for plan in replanned) > 1, [p.table() for p in replanned]
+    single = [r.plan for r in ddp_split.records if len(r.plan.buckets) == 1]  # HF's loss graph
+    assert all(plan.sizing.link == "one bucket: nothing to group" for plan in single), [p.table() for p in single]
 
 
 def test_free_communication_keeps_one_piece_and_compiles_nothing_more() -> None:
