@@ -150,10 +150,7 @@ def _plan_graph(
     plan = plan_buckets(
         layout, params, caps, graph_name=graph_name, min_piece_bytes=config.min_piece_bytes, costs=costs
     )
-    if measures and len(plan.buckets) <= 1 and plan.sizing is not None:  # nothing to group: nothing to measure
-        measures = False
-        plan = dataclasses.replace(plan, sizing=dataclasses.replace(plan.sizing, link="one bucket: nothing to group"))
-    return _Planned(plan, layout, params, caps, ddp_module, costs, measures)
+    return _Planned(plan, layout, params, caps, ddp_module, costs, measures and len(plan.buckets) > 1)
 
 
 def _measures_link(config: SplitConfig, ddp_module: torch.nn.Module | None, example_inputs: Sequence[Any]) -> bool:

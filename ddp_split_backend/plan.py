@@ -414,6 +414,8 @@ def _group_by_cost(
         link = f"link_gbps={costs.link_bytes_per_s / 1e9:g}"
     if costs.link_source is not None:
         link = costs.link_source
+    if len(buckets) <= 1:
+        link = "one bucket: nothing to group"
     in_backward = (backward[::-1], comm[::-1], costs.fixed_s)  # backward visits the last bucket first
     sizes = _best_grouping(*in_backward)
     piece_of_reversed = [g for g, size in enumerate(sizes) for _ in range(size)]

@@ -79,16 +79,18 @@ class Measurement:
     @property
     def exposed_s(self) -> float:
         """Communication left after backward, beyond DDP's copy back (the median)."""
-        return statistics.median(s.after_s - self.ddp_work_s for s in self.samples)
+        return statistics.median(self._exposed(s) for s in self.samples)
 
     @property
     def comm_s(self) -> float:
         """The link's time for the graph's gradients, busy from the first gradient on (the
         median); 0 when nothing was exposed."""
         return statistics.median(
-            s.after_s - self.ddp_work_s + s.accumulating_s if s.after_s > self.ddp_work_s else 0.0
-            for s in self.samples
+            self._exposed(s) + s.accumulating_s if self._exposed(s) > 0 else 0.0 for s in self.samples
         )
+
+    def _exposed(self, sample: StepSample) -> float:
+        return sample.after_s - self.ddp_work_s
 
     def worth_a_cut(self, fixed_s: float) -> bool:
         """Whether what was exposed could pay for one more piece: a cut hides at most the
@@ -135,6 +137,9 @@ class _Window:
     steps: int = 0
     probe: StepProbe | None = None
     samples: list[StepSample] = field(default_factory=list)
+
+    def live_params(self) -> list[torch.Tensor]:
+        return [p for p in (ref() for ref in self.params) if p is not None]
 
 
 class RegroupingCallable:
@@ -184,8 +189,7 @@ class RegroupingCallable:
             return eager(*args)
         if window.steps <= _UNMEASURED_STEPS:
             return self._fn(*args)
-        params = [p for p in (ref() for ref in window.params) if p is not None]
-        probe = StepProbe(params)
+        probe = StepProbe(window.live_params())
         try:
             outputs = self._fn(*args)
         except BaseException:
@@ -207,8 +211,7 @@ class RegroupingCallable:
 
     def _regroup(self, window: _Window) -> None:
         try:
-            params = [p for p in (ref() for ref in window.params) if p is not None]
-            copying = copy_back_seconds(params) if window.copies_back else 0.0
+            copying = copy_back_seconds(window.live_params()) if window.copies_back else 0.0
             measurement = Measurement(tuple(window.samples), window.grad_bytes, copying)
             fn = window.replan(measurement)
         except Exception as error:  # keep training on the one piece
