@@ -12,7 +12,7 @@ from .config import SplitConfig, SplitConfigError
 from .ddp_mode import own_split
 from .explain import ExplainResult, explain
 from .overlap import BucketTiming, OverlapReport, OverlapWatch, StepOverlap, watch_overlap
-from .plan import AdjustReason, BoundaryAdjustment, BucketPlan, PieceSizing, SplitPlan
+from .plan import AdjustReason, BoundaryAdjustment, BucketPlan, PieceSizing, SplitPlan, WholeReason
 from .teardown import close_ddp
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "OverlapWatch",
     "PieceRecord",
     "PieceSizing",
+    "WholeReason",
     "SplitConfig",
     "SplitConfigError",
     "SplitPlan",

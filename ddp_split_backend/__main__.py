@@ -50,9 +50,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ex.add_argument("--high", type=int, default=2, help="exclusive upper bound for integer inputs")
     ex.add_argument("--bucket-cap-mb", type=float, default=None)
     ex.add_argument("--first-bucket-cap-mb", type=float, default=None)
-    ex.add_argument("--min-piece-mb", type=_min_piece, default="auto",
-                    help="'auto' (default: grouped by predicted cost, as if under DDP), a size in MiB, "
-                         "or 'none' for one piece per bucket")
+    ex.add_argument("--min-piece-mb", type=_min_piece, default=None,
+                    help="'none' (default: one piece per bucket), a size in MiB, or 'auto' "
+                         "(grouped by predicted cost, as if under DDP)")
     ex.add_argument("--link-gbps", type=float, default=None, help="with auto: the link's speed in GB/s")
     ex.add_argument("--png", default=None, help="also draw the plan into this PNG file")
     args = parser.parse_args(argv)

@@ -51,7 +51,9 @@ __all__ = [  # every name the package uses (tests/test_compile_stage.py checks t
     "compiled_original",
     "ddp_comm_hooks",
     "ddp_first_bucket_bytes",
+    "ddp_gradient_bytes",
     "ddp_ignored",
+    "ddp_rebuilds_buckets_later",
     "default_first_bucket_bytes",
     "detect_fake_mode",
     "dispatch_exclude_set",
@@ -98,6 +100,7 @@ __all__ = [  # every name the package uses (tests/test_compile_stage.py checks t
     "set_inplace_requires_grad_allowed",
     "set_multithreading_enabled",
     "set_view_replay_enabled",
+    "size_hint",
     "storage_id",
     "trace_structured",
     "tracing",
@@ -333,6 +336,31 @@ OpOverloadPacket = _resolve("torch._ops.OpOverloadPacket", "op targets in identi
 free_unbacked_symbols = _resolve(
     "torch.fx.experimental.symbolic_shapes.free_unbacked_symbols", "outputs with piece-made symbols are not shared"
 )
+_size_hints: tuple[Any, ...] = tuple(
+    f for f in (
+        _optional("torch.fx.experimental.symbolic_shapes.optimization_hint", "sizes for estimates, without guards"),
+        _optional("torch.fx.experimental.symbolic_shapes.hint_int", "sizes for estimates, without guards"),
+    ) if f is not None
+)
+
+
+def size_hint(value: Any, fallback: int) -> int:
+    """``value`` (an int or a SymInt) as an int for estimates, never guarding on it: a backed
+    symbol's hint (the size it had when traced), ``fallback`` for an unbacked one. ``int()``
+    on a SymInt would guard on its value: a recompile per size, or an error where the size
+    was marked dynamic or is data-dependent."""
+    if not isinstance(value, torch.SymInt):
+        return int(value)
+    for hint in _size_hints:
+        try:
+            found = hint(value, fallback=fallback)
+        except Exception:  # a release whose helper raises for unbacked symbols
+            return fallback
+        return fallback if found is None else int(found)
+    found = getattr(value.node, "hint", None)
+    return fallback if found is None else int(found)
+
+
 autograd_engine = _resolve(
     "torch.autograd.variable.Variable._execution_engine", "min_piece_mb='auto' times DDP's communication after backward"
 )
@@ -385,6 +413,30 @@ def is_ddp_optimizer_piece(gm: fx.GraphModule) -> bool:
     """Whether torch's DDPOptimizer cut ``gm`` out of a larger graph."""
     reason = getattr(gm, "compile_subgraph_reason", None)
     return DDP_OPTIMIZER_MARK in str(getattr(reason, "reason", reason or ""))
+
+
+def ddp_rebuilds_buckets_later(ddp: torch.nn.Module) -> bool:
+    """Whether ``ddp`` will still rebuild its buckets from the gradient order of a coming
+    synchronised backward: it has not yet, and it does at all (with ``static_graph=True``,
+    or without ``find_unused_parameters``; the reducer's rule). Read from the flag DDP's
+    forward sets once ``Reducer._rebuild_buckets`` has run."""
+    if getattr(ddp, "_has_rebuilt_buckets", True):
+        return False
+    return bool(getattr(ddp, "static_graph", False)) or not getattr(ddp, "find_unused_parameters", False)
+
+
+def ddp_gradient_bytes(ddp: torch.nn.Module) -> int:
+    """Bytes of the gradients ``ddp`` reduces: its module's trainable parameters, less the
+    ones it was told to ignore."""
+    ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
+    module = getattr(ddp, "module", ddp)
+    seen: set[int] = set()
+    total = 0
+    for name, param in module.named_parameters():
+        if param.requires_grad and name not in ignored and not ddp_ignored(param) and id(param) not in seen:
+            seen.add(id(param))
+            total += param.numel() * param.element_size()
+    return total
 
 
 def active_ddp_module() -> torch.nn.Module | None:

@@ -28,13 +28,13 @@ from . import _torch
 from .compile import CompiledPieces, InnerCompile, Outcome, PieceRecord, compile_pieces, compile_whole, copy_module
 from .config import BACKEND_NAME, BucketCaps, SplitConfig
 from .cost import device_rates, fixed_cost_s, node_backward_s
-from .diagnostics import log_compiled
+from .diagnostics import log, log_compiled
 from .guards import preserve_global_state, track_state_calls
 from .inner import inner_compile, inductor_patches
 from .layout import GraphLayout, layout_graph
 from .params import ParamTable, find_params
 from .plan import BACKWARD_SHARE, BucketPlan, CostInputs, SplitPlan, plan_buckets
-from .regroup import STEPS_BEFORE_REPLAN, Measurement, RegroupingCallable
+from .regroup import STEPS_BEFORE_REPLAN, Declined, Measurement, RegroupingCallable
 from .runtime import GuardedCallable, StitchedCallable
 from .split import SplitGraph, split_graph
 from .state import Ambient, classify
@@ -150,7 +150,7 @@ def _plan_graph(
     plan = plan_buckets(
         layout, params, caps, graph_name=graph_name, min_piece_bytes=config.min_piece_bytes, costs=costs
     )
-    return _Planned(plan, layout, params, caps, ddp_module, costs, measures and len(plan.buckets) > 1)
+    return _Planned(plan, layout, params, caps, ddp_module, costs, measures and plan.whole is None and len(plan.buckets) > 1)
 
 
 def _measures_link(config: SplitConfig, ddp_module: torch.nn.Module | None, example_inputs: Sequence[Any]) -> bool:
@@ -201,7 +201,9 @@ class _Deferred:
 
     gm: fx.GraphModule
     example_inputs: Sequence[Any]
+    """The frame's fake inputs (never the real ones: the first batch would be kept alive)."""
     planned: _Planned
+    """Without its DDP module (the measuring window holds that weakly)."""
     config: SplitConfig
     inner: InnerCompile
     context: Any
@@ -210,18 +212,35 @@ class _Deferred:
     """The one piece, as first compiled."""
 
 
-def _measuring(fn: Callable[..., Any], deferred: _Deferred, replan: Callable[[Measurement], Any]) -> RegroupingCallable:
-    """``fn`` (the graph as one piece) wrapped to measure its first steps and re-plan."""
-    ddp = deferred.planned.ddp_module
-    assert ddp is not None  # only graphs under DDP are measured
-    names = {use.name for use in deferred.planned.params.params}
+def _frame_fakes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[Any]:
+    """The frame's own fake value of each input (Dynamo's, with the frame's symbols), where
+    it recorded one; a later compile from them sees the sizes the frame's guards name."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    fakes = []
+    for node, example in zip(placeholders, example_inputs, strict=True):
+        value = node.meta.get("example_value")
+        fakes.append(value if isinstance(value, _torch.FakeTensor) or not isinstance(example, torch.Tensor) else example)
+    return fakes
+
+
+def _graph_params(names: frozenset[str], ddp: torch.nn.Module) -> list[torch.Tensor]:
+    """The parameters of ``ddp``'s module that the graph uses (by name)."""
     inner = getattr(ddp, "module", ddp)
-    params = [p for name, p in inner.named_parameters() if _user_fqn(name) in names]
+    return [p for name, p in inner.named_parameters() if _user_fqn(name) in names]
+
+
+def _measuring(
+    fn: Callable[..., Any], ddp: torch.nn.Module | None, deferred: _Deferred, replan: Callable[..., Any]
+) -> RegroupingCallable:
+    """``fn`` (the graph as one piece) wrapped to measure its first steps and re-plan."""
+    assert ddp is not None  # only graphs under DDP are measured
+    names = frozenset(use.name for use in deferred.planned.params.params)
     grad_bytes = sum(use.nbytes for use in deferred.planned.params.params)
     copies_back = not getattr(ddp, "gradient_as_bucket_view", False)
-    eager = GuardedCallable(track_state_calls(copy_module(deferred.gm)), "eager (first step)")
+    eager = GuardedCallable(track_state_calls(copy_module(deferred.gm)), "eager (while DDP learns its bucket order)")
     return RegroupingCallable(
-        fn, eager=eager, ddp=ddp, params=params, grad_bytes=grad_bytes, copies_back=copies_back, replan=replan
+        fn, eager=eager, params_of=functools.partial(_graph_params, names), grad_bytes=grad_bytes,
+        copies_back=copies_back, replan=replan,
     )
 
 
@@ -291,21 +310,33 @@ class DDPSplitBackend:
             fn = self._finish(plan, None, gm, compiled, times)
             if not planned.measures_link:
                 return fn
-            deferred = _Deferred(gm, example_inputs, planned, config, inner, _torch.TracingContext.try_get(), compiled)
-            return _measuring(fn, deferred, functools.partial(self._replan, deferred))
+            deferred = _Deferred(
+                gm, _frame_fakes(gm, example_inputs), dataclasses.replace(planned, ddp_module=None), config, inner,
+                _torch.TracingContext.try_get(), compiled,
+            )
+            return _measuring(fn, planned.ddp_module, deferred, functools.partial(self._replan, deferred))
         with times.measure("split"):
             split = split_graph(gm, planned.layout, plan.cuts)
         compiled = compile_pieces(split, example_inputs, inner, times, reuse=config.reuse)
         return self._finish(plan, split, gm, compiled, times)
 
-    def _replan(self, deferred: _Deferred, measured: Measurement) -> Callable[..., Any] | None:
+    def _replan(self, deferred: _Deferred, measured: Measurement | Declined) -> Callable[..., Any] | None:
         """Group the buckets by what the first steps measured (Note [Measuring the link] in
-        regroup.py): the new pieces' callable, or ``None`` when one piece stays best."""
+        regroup.py), or by the static estimate when they could not be measured: the new
+        pieces' callable, or ``None`` when one piece stays best."""
         planned, config = deferred.planned, deferred.config
         assert planned.costs is not None  # measured graphs are sized by cost
         times = StageTimes()
         with times.measure("plan"):
-            costs = measured.cost_inputs(planned.costs.node_backward_s, planned.costs.fixed_s, BACKWARD_SHARE)
+            if isinstance(measured, Declined):
+                log.info("ddp_split: %s not measured, grouped by the static estimate: %s",
+                          planned.plan.graph_name, measured.value)
+                costs = dataclasses.replace(
+                    planned.costs, link_bytes_per_s=None,
+                    link_source=f"not measured ({measured.value}); assumed as long as each bucket's backward",
+                )
+            else:
+                costs = measured.cost_inputs(planned.costs.node_backward_s, planned.costs.fixed_s, BACKWARD_SHARE)
             plan = plan_buckets(
                 planned.layout, planned.params, planned.caps, graph_name=f"{planned.plan.graph_name} re-planned",
                 costs=costs,

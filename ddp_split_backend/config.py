@@ -70,15 +70,16 @@ class SplitConfig:
     """Bucket capacity in MiB. ``None``: the active DDP module's cap, else DDP's default (25)."""
     first_bucket_cap_mb: float | None = None
     """First-bucket capacity in MiB. ``None``: DDP's first-bucket size, clamped to the cap."""
-    min_piece_mb: float | str | None = "auto"
+    min_piece_mb: float | str | None = None
     """How buckets are grouped into pieces (never cutting inside a bucket; DDP's buckets stay
-    as they are). ``"auto"``: the grouping with the smallest predicted step time, from each
-    bucket's estimated backward, the measured fixed cost of a piece and the link: measured
-    in the first training steps (Note [Measuring the link] in regroup.py), or ``link_gbps``
-    (Note [Choosing pieces by cost] in plan.py). A number: pieces of at least this many MiB
-    of gradients. ``None``: one piece per bucket. Fewer pieces cost less per step (each
-    piece is one autograd node and one inner-backend call); more pieces start communication
-    earlier. See "Choosing pieces" in docs/performance.md."""
+    as they are). ``None`` (the default): one piece per bucket, the same plan on every rank
+    and every step. A number: pieces of at least this many MiB of gradients. ``"auto"``
+    (opt-in): the grouping with the smallest predicted step time, from each bucket's
+    estimated backward, the measured fixed cost of a piece and the link: ``link_gbps``
+    (Note [Choosing pieces by cost] in plan.py), else measured in the first training steps
+    where that is sound (Note [Measuring the link] in regroup.py). Fewer pieces cost less per
+    step (each piece is one autograd node and one inner-backend call); more pieces start
+    communication earlier. See "Choosing pieces" in docs/performance.md."""
     link_gbps: float | None = None
     """With ``min_piece_mb="auto"``: how many GB/s the gradient allreduce moves (bucket bytes
     over this is its time; ``float("inf")``: communication costs nothing). ``None``: measured
@@ -106,7 +107,7 @@ class SplitConfig:
         _check_size("first_bucket_cap_mb", self.first_bucket_cap_mb)
         if self.min_piece_mb != "auto":
             _check_size(
-                "min_piece_mb", self.min_piece_mb, unset="'auto' (None: one piece per bucket)", also="'auto'"
+                "min_piece_mb", self.min_piece_mb, unset="one piece per bucket", also="'auto'"
             )
         _check_link(self.link_gbps, self.min_piece_mb)
         if self.on_inner_failure not in INNER_FAILURE_CHOICES:

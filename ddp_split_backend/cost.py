@@ -74,11 +74,18 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return [v for v in _torch.pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]
 
 
+UNBACKED_SIZE = 64
+"""What a data-dependent size counts as in estimates (no value is known at compile time)."""
+
+
+def _size(size: Any) -> int:
+    """A size for estimates; symbolic ones by their hint, never guarded on (a guard would
+    recompile the frame for every new size)."""
+    return _torch.size_hint(size, fallback=UNBACKED_SIZE)
+
+
 def _numel(t: torch.Tensor) -> float:
-    try:
-        return float(math.prod(int(s) for s in t.shape))
-    except (TypeError, ValueError):  # unbacked or symbolic sizes: count them as 1
-        return 1.0
+    return float(math.prod(_size(s) for s in t.shape))
 
 
 def _forward_flops(node: fx.Node, gm: fx.GraphModule) -> float:
@@ -92,21 +99,21 @@ def _forward_flops(node: fx.Node, gm: fx.GraphModule) -> float:
             target = F.linear
         elif target in (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d):
             weight = gm.get_submodule(str(node.target)).weight
-            return 2.0 * sum(_numel(o) for o in out) * _numel(weight) / max(1, weight.shape[0])
+            return 2.0 * sum(_numel(o) for o in out) * _numel(weight) / max(1, _size(weight.shape[0]))
     if not out:
         return 0.0
     if target in _LINEARS and args and isinstance(args[0], torch.Tensor):
-        return 2.0 * _numel(out[0]) * int(args[0].shape[-1])
+        return 2.0 * _numel(out[0]) * _size(args[0].shape[-1])
     if (target in _MATMULS or (node.op == "call_method" and target in _MATMUL_METHODS)) and args:
         first = next((a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0), None)
-        return 2.0 * _numel(out[0]) * int(first.shape[-1]) if first is not None else 0.0
+        return 2.0 * _numel(out[0]) * _size(first.shape[-1]) if first is not None else 0.0
     if target in _CONVS and len(args) > 1 and isinstance(args[1], torch.Tensor):
         weight = args[1]
-        return 2.0 * _numel(out[0]) * _numel(weight) / max(1, int(weight.shape[0]))
+        return 2.0 * _numel(out[0]) * _numel(weight) / max(1, _size(weight.shape[0]))
     if target is F.scaled_dot_product_attention and len(args) > 1:
         query, key = args[0], args[1]
         if isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor):
-            return 4.0 * _numel(query) * int(key.shape[-2])
+            return 4.0 * _numel(query) * _size(key.shape[-2])
     return 0.0
 
 

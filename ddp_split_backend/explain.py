@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.nn.parallel import DistributedDataParallel
 
 from . import _torch
 from .backend import plan_split
@@ -45,9 +46,13 @@ class ExplainResult:
         return draw_plans(self.plans, Path(path))
 
 
-def _plan_recorder(config: SplitConfig, plans: list[SplitPlan]) -> Callable[..., Any]:
+def _plan_recorder(
+    config: SplitConfig, plans: list[SplitPlan], ddp_module: torch.nn.Module | None
+) -> Callable[..., Any]:
     def record(gm: fx.GraphModule, example_inputs: Sequence[Any], **_: Any) -> Callable[..., Any]:
-        plans.append(plan_split(gm, example_inputs, config=config, graph_name=f"graph {len(plans)}"))
+        plans.append(
+            plan_split(gm, example_inputs, config=config, ddp_module=ddp_module, graph_name=f"graph {len(plans)}")
+        )
         return gm.forward
 
     return record
@@ -83,8 +88,10 @@ def _restoring(model: torch.nn.Module, inputs: Sequence[Any]) -> Iterator[None]:
 def explain(model: torch.nn.Module, *example_inputs: Any, **options: Any) -> ExplainResult:
     """The plans ``ddp_split`` makes for ``model(*example_inputs)``, without compiling pieces.
 
-    Explaining leaves no trace in the model: the forward runs once under Dynamo on the real
-    inputs, then the model's buffers (BatchNorm statistics) and the random number generators
+    Explaining leaves no trace in the model and runs no collective: a DDP module is planned
+    with its bucket caps and parameter names, but its wrapped module's forward is what runs
+    (DDP's own forward would broadcast buffers, and the other ranks are not calling it). The
+    forward runs once under Dynamo on the real inputs, then the model's buffers (BatchNorm statistics) and the random number generators
     are put back as they were, and the Dynamo cache of every code object this call compiled
     is emptied, so repeated calls never approach ``recompile_limit``. Dynamo can drop a
     code object's cache only whole: a ``torch.compile`` of the same model made earlier
@@ -100,10 +107,12 @@ def explain(model: torch.nn.Module, *example_inputs: Any, **options: Any) -> Exp
     """
     config = SplitConfig.from_options(options)
     plans: list[SplitPlan] = []
-    recorder = _plan_recorder(config, plans)
+    ddp_module = model if isinstance(model, DistributedDataParallel) else None
+    runs = model.module if ddp_module is not None else model
+    recorder = _plan_recorder(config, plans, ddp_module)
     try:
-        with _restoring(model, example_inputs), own_split():
-            _torch.dynamo_optimize(recorder)(model)(*example_inputs)
+        with _restoring(runs, example_inputs), own_split():
+            _torch.dynamo_optimize(recorder)(runs)(*example_inputs)
     finally:
         _torch.forget_compiles(recorder)
     return ExplainResult(tuple(plans))

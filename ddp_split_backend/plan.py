@@ -59,6 +59,7 @@ Grouping never cuts inside a bucket: it only chooses which bucket boundaries to 
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -78,8 +79,15 @@ __all__ = [
     "SplitPlan",
     "StateSpan",
     "TOLERANCE",
+    "WholeReason",
     "plan_buckets",
 ]
+
+
+class WholeReason(enum.Enum):
+    """Why a graph with several buckets was compiled as one piece."""
+
+    NO_BACKWARD = "grad is disabled throughout the graph (evaluation): no backward runs and nothing is sent"
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,6 +223,8 @@ class SplitPlan:
     """``min_piece_mb`` in bytes: buckets are grouped into pieces of at least this size."""
     sizing: PieceSizing | None = None
     """``min_piece_mb="auto"``: the predictions the grouping was chosen by."""
+    whole: WholeReason | None = None
+    """Set when the buckets were kept in one piece whatever the options said, and why."""
 
     @property
     def pieces(self) -> tuple[PiecePlan, ...]:
@@ -275,6 +285,8 @@ class SplitPlan:
                 lines.append(f"  piece {b.piece}: {a.describe()}")
         if self.ignored_params:
             lines.append("  ignored by DDP: " + ", ".join(self.ignored_params))
+        if self.whole is not None:
+            lines.append(f"  one piece: {self.whole.value}")
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
 
@@ -352,8 +364,10 @@ def plan_buckets(
         built[:2] = [_Bucket(0, second.nbytes, first.names + second.names, (*first.adjustments, *second.adjustments, folded))]
 
     stops = [b.start for b in built[1:]] + [count]
-    sizing = None
-    if costs is not None:
+    sizing, whole = None, None
+    if len(built) > 1 and not any(state.grad for state in layout.states):
+        piece_of, whole = [0] * len(built), WholeReason.NO_BACKWARD
+    elif costs is not None:
         piece_of, sizing = _group_by_cost([(b.start, stop, b.nbytes) for b, stop in zip(built, stops)], costs)
     else:
         piece_of = _group_buckets([b.nbytes for b in built], min_piece_bytes)
@@ -380,6 +394,7 @@ def plan_buckets(
         state_spans=state_spans(layout),
         min_piece_bytes=min_piece_bytes,
         sizing=sizing,
+        whole=whole,
     )
 
 

@@ -41,6 +41,7 @@ seen, so such models lean towards fewer pieces.
 
 from __future__ import annotations
 
+import enum
 import statistics
 import warnings
 import weakref
@@ -50,16 +51,18 @@ from typing import Any
 
 import torch
 
+from . import _torch
 from .measure import StepProbe, StepSample, copy_back_seconds
 from .plan import TOLERANCE, CostInputs
 
-__all__ = ["MEASURED_STEPS", "STEPS_BEFORE_REPLAN", "Measurement", "RegroupingCallable"]
+__all__ = ["Declined", "MEASURED_STEPS", "STEPS_BEFORE_REPLAN", "Measurement", "RegroupingCallable"]
 
 MEASURED_STEPS = 4
-"""Training steps timed before re-planning (after one eager step and one that compiles backward)."""
-_UNMEASURED_STEPS = 2
-STEPS_BEFORE_REPLAN = _UNMEASURED_STEPS + MEASURED_STEPS
-"""Training steps a measured graph runs as one piece."""
+"""Training steps timed before re-planning (after the step that compiles backward)."""
+_UNMEASURED_STEPS = 1
+STEPS_BEFORE_REPLAN = 1 + _UNMEASURED_STEPS + MEASURED_STEPS
+"""Training steps a measured graph runs as one piece under a DDP that rebuilds its buckets
+after its first step (one eager step; ``static_graph=True`` takes two)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,77 +124,115 @@ class Measurement:
         )
 
 
+class Declined(enum.Enum):
+    """Why a graph's steps could not be measured; it is grouped by the static estimate."""
+
+    PART_OF_THE_MODEL = (
+        "the graph holds only part of DDP's gradients (graph breaks or regional compilation): "
+        "its backward cannot be timed apart from the rest"
+    )
+    CALLED_TWICE = "the graph ran again before its last backward ended (several calls per step)"
+
+
 @dataclass(slots=True)
 class _Window:
     """The measuring state of one graph until it is re-planned."""
 
-    ddp: weakref.ReferenceType[torch.nn.Module]
-    params: tuple[weakref.ReferenceType[torch.Tensor], ...]
+    params_of: Callable[[torch.nn.Module], list[torch.Tensor]]
+    """The graph's parameters in a DDP module (by name: every DDP of the model class)."""
     grad_bytes: int
-    copies_back: bool
-    """Whether DDP copies buckets back into the gradients (no ``gradient_as_bucket_view``)."""
-    replan: Callable[[Measurement], Callable[..., Any] | None]
-    """Plans from the measurement; the new callable, or ``None`` to keep the one piece."""
-    eager: Callable[..., Any] | None
-    """The graph's FX code, for the first training step."""
+    replan: Callable[[Measurement | Declined], Callable[..., Any] | None]
+    """Plans from the measurement (or the static estimate, when declined); the new callable,
+    or ``None`` to keep the one piece."""
+    ddp: weakref.ReferenceType[torch.nn.Module] | None = None
+    """The DDP module measured: the first that trains through the graph once it rebuilt its
+    buckets (another takes its place if it is freed before the re-plan)."""
+    params: tuple[weakref.ReferenceType[torch.Tensor], ...] = ()
     steps: int = 0
     probe: StepProbe | None = None
     samples: list[StepSample] = field(default_factory=list)
+
+    def bind(self, ddp: torch.nn.Module) -> Declined | None:
+        """Measure ``ddp``'s steps from now on (a new DDP starts over)."""
+        self.ddp, self.steps, self.probe, self.samples = weakref.ref(ddp), 0, None, []
+        params = self.params_of(ddp)
+        self.params = tuple(weakref.ref(p) for p in params)
+        held = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+        return None if held >= _torch.ddp_gradient_bytes(ddp) else Declined.PART_OF_THE_MODEL
 
     def live_params(self) -> list[torch.Tensor]:
         return [p for p in (ref() for ref in self.params) if p is not None]
 
 
+@dataclass(slots=True)
+class _Current:
+    """What a :class:`RegroupingCallable` runs now. Held in one object because Dynamo wraps
+    the callable a backend returns with ``functools.wraps``, which copies its ``__dict__``:
+    attributes replaced later on the callable would not reach the copy, but changes made to
+    this object do (the copy shares it), so ending the window lets go of it everywhere."""
+
+    fn: Callable[..., Any]
+    window: _Window | None
+
+
 class RegroupingCallable:
     """A graph compiled as one piece that re-plans itself once it has measured (Note
-    [Measuring the link]); after that, a call is one attribute check away from the pieces."""
+    [Measuring the link]). Whatever the plan, a training step under a DDP module that has
+    yet to rebuild its buckets runs the graph's FX code eagerly, so that DDP learns the
+    gradient order of the graph's real backward (Note [Measuring the link], step 1)."""
 
     def __init__(
         self,
         fn: Callable[..., Any],
         *,
         eager: Callable[..., Any],
-        ddp: torch.nn.Module,
-        params: Sequence[torch.Tensor],
+        params_of: Callable[[torch.nn.Module], list[torch.Tensor]],
         grad_bytes: int,
         copies_back: bool,
-        replan: Callable[[Measurement], Callable[..., Any] | None],
+        replan: Callable[[Measurement | Declined], Callable[..., Any] | None],
     ) -> None:
-        self._fn = fn
-        self._window: _Window | None = _Window(
-            weakref.ref(ddp), tuple(weakref.ref(p) for p in params), grad_bytes, copies_back, replan, eager
-        )
+        self._current = _Current(fn, _Window(params_of, grad_bytes, replan))
+        self._eager = eager
+        self._copies_back = copies_back
 
     @property
     def measuring(self) -> bool:
-        return self._window is not None
+        return self._current.window is not None
 
     def __call__(self, *args: Any) -> Any:
-        if self._window is None:
-            return self._fn(*args)
-        return self._measured_call(self._window, args)
+        current = self._current
+        ddp = _torch.active_ddp_module()
+        if ddp is None or not (torch.is_grad_enabled() and ddp.training and getattr(ddp, "require_backward_grad_sync", True)):
+            return current.fn(*args)  # evaluation, gradient accumulation, no DDP: nothing to learn or measure
+        if _torch.ddp_rebuilds_buckets_later(ddp):
+            return self._eager(*args)  # DDP learns its bucket order from this backward
+        if current.window is None:
+            return current.fn(*args)
+        return self._measured_call(current, current.window, ddp, args)
 
-    def _measured_call(self, window: _Window, args: Sequence[Any]) -> Any:
+    def _measured_call(self, current: _Current, window: _Window, ddp: torch.nn.Module, args: Sequence[Any]) -> Any:
+        probe = window.probe
+        if probe is not None and not probe.finished and window.ddp is not None and window.ddp() is ddp:
+            probe.remove()
+            return self._decline(current, window, Declined.CALLED_TWICE, args)
         self._collect(window)
-        ddp = window.ddp()
-        if ddp is None:
-            self._window = None
-            return self._fn(*args)
-        if not (torch.is_grad_enabled() and ddp.training and getattr(ddp, "require_backward_grad_sync", True)):
-            return self._fn(*args)  # evaluation or gradient accumulation: nothing to measure
+        bound = window.ddp() if window.ddp is not None else None
+        if bound is None:
+            declined = window.bind(ddp)
+            if declined is not None:
+                return self._decline(current, window, declined, args)
+        elif bound is not ddp:
+            return current.fn(*args)  # another DDP module of the same model class: not measured
         window.steps += 1
         if len(window.samples) >= MEASURED_STEPS:
-            self._window = None
-            self._regroup(window)
-            return self._fn(*args)
-        if window.eager is not None:  # the first training step: DDP learns the bucket order
-            eager, window.eager = window.eager, None
-            return eager(*args)
+            current.window = None
+            self._regroup(current, window)
+            return current.fn(*args)
         if window.steps <= _UNMEASURED_STEPS:
-            return self._fn(*args)
+            return current.fn(*args)
         probe = StepProbe(window.live_params())
         try:
-            outputs = self._fn(*args)
+            outputs = current.fn(*args)
         except BaseException:
             probe.remove()
             raise
@@ -209,17 +250,27 @@ class RegroupingCallable:
         if sample is not None:
             window.samples.append(sample)
 
-    def _regroup(self, window: _Window) -> None:
+    def _decline(self, current: _Current, window: _Window, reason: Declined, args: Sequence[Any]) -> Any:
+        current.window = None
+        self._adopt(current, window, reason)
+        return current.fn(*args)
+
+    def _regroup(self, current: _Current, window: _Window) -> None:
         try:
-            copying = copy_back_seconds(window.live_params()) if window.copies_back else 0.0
-            measurement = Measurement(tuple(window.samples), window.grad_bytes, copying)
-            fn = window.replan(measurement)
+            copying = copy_back_seconds(window.live_params()) if self._copies_back else 0.0
+        except Exception:
+            copying = 0.0
+        self._adopt(current, window, Measurement(tuple(window.samples), window.grad_bytes, copying))
+
+    def _adopt(self, current: _Current, window: _Window, seen: Measurement | Declined) -> None:
+        try:
+            fn = window.replan(seen)
         except Exception as error:  # keep training on the one piece
             warnings.warn(
-                f"ddp_split: min_piece_mb='auto' could not re-plan after measuring, and keeps the "
-                f"graph as one piece: {type(error).__name__}: {error}",
-                stacklevel=3,
+                f"ddp_split: min_piece_mb='auto' could not re-plan, and keeps the graph as one piece: "
+                f"{type(error).__name__}: {error}",
+                stacklevel=4,
             )
             return
         if fn is not None:
-            self._fn = fn
+            current.fn = fn

@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> None:
                 last_loss = loss
                 if step == 0:
                     first_loss = loss
-        if rank == 0:  # each plan once: the first call's, and min_piece_mb="auto"'s re-plan
+        if rank == 0:  # each plan once (and min_piece_mb="auto"'s re-plan, if asked for)
             for record in list(backend.records)[printed:]:
                 print(record.plan.table(), flush=True)
             printed = len(backend.records)

@@ -5,10 +5,9 @@ Every model is built from a config (no weights are downloaded): Hugging Face
 BERT masked-LM; ``timm`` ViT; ``torchvision`` ResNet-18 (BatchNorm buffers). Each case
 trains a model with eager DDP and, from the same weights on the same per-rank data, through
 the path users take: ``backend="ddp_split"`` by name, the inner backend by name, default
-options (identical pieces shared), under :func:`ddp_split_backend.own_split`, but with a
-piece per bucket (``min_piece_mb=None``): the default ``"auto"`` runs these three-step runs
-as one piece while it measures, and these cases are about the cuts. The default itself, with
-its re-plan, on GPT-2: ``tests/test_measured_auto.py``.
+options (a piece per bucket, identical pieces shared), under
+:func:`ddp_split_backend.own_split`. The opt-in ``min_piece_mb="auto"``, with its re-plan, on
+GPT-2: ``tests/test_measured_auto.py``.
 """
 
 from __future__ import annotations
@@ -213,7 +212,7 @@ def run_real_case(rank: int, case: RealCase) -> dict[str, Any]:
         eager64 = DDP(copy.deepcopy(base).double(), bucket_cap_mb=cap)
         reference64 = _train(eager64, spec.loss, batches64, case.amp, spec.lr)
 
-    options = {"inner": case.inner, "min_piece_mb": None}
+    options = {"inner": case.inner}  # the defaults: a piece per bucket
     if case.wrap == "outside":
         ddp = DDP(copy.deepcopy(base), bucket_cap_mb=cap)
         model: nn.Module = torch.compile(ddp, backend="ddp_split", options=options)

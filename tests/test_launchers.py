@@ -179,15 +179,14 @@ def test_launcher_recipe_matches_run_without_compile(launcher: str, tmp_path: Pa
 
     log = runs[0][1].read_text(errors="replace")
     assert "DDPOptimizer already split" not in log and "DDPOptimizer piece" not in log, tail(runs[0][1])
-    # The default min_piece_mb="auto" re-plans after measuring under DDP: only if the
-    # recipe put ddp_split in charge of a DDP module (8 steps: past the re-plan).
-    logged = re.findall(r"ddp_split plan (.*) \(ddp_split\): \d+ pieces", log)
-    assert any(name.endswith("re-planned") for name in logged), f"no re-planned plan in the log:\n{tail(runs[0][1])}"
+    # The default cuts a piece per bucket: only if the recipe put ddp_split in charge of a
+    # DDP module (the recipes' models have several buckets).
+    pieces = [int(n) for n in re.findall(r"ddp_split plan .* \(ddp_split\): (\d+) pieces", log)]
+    assert any(n > 1 for n in pieces), f"no graph was cut:\n{tail(runs[0][1])}"
 
     compiled = torch.load(tmp_path / "compiled.pt")
     eager = torch.load(tmp_path / "eager.pt")
     assert compiled["plans"] and {source for source, _ in compiled["plans"]} == {"ddp_split"}
-    # How many pieces the re-plan chose depends on the gloo link's timing on this machine.
     assert eager["plans"] == []
     assert len(compiled["losses"]) == len(eager["losses"]) > 0
     torch.testing.assert_close(compiled["losses"], eager["losses"])

@@ -1,4 +1,4 @@
-"""The default, min_piece_mb="auto" without link_gbps: one piece, measured first steps, one re-plan.
+"""The opt-in min_piece_mb="auto" without link_gbps: one piece, measured first steps, one re-plan.
 
 Note [Measuring the link] in regroup.py. The comm hook is the benchmarks' simulated link
 (``benchmarks/overlap.py``), whose speed is known, wrapped by ``watch_overlap`` so that the
@@ -28,8 +28,8 @@ pytestmark = pytest.mark.usefixtures("world1")
 
 WIDTH, DEPTH = 512, 8
 MIB = 2**20
-AUTO = {"inner": "aot_eager"}
-"""The default options (``min_piece_mb="auto"``, no ``link_gbps``) with the inner backend named."""
+AUTO = {"inner": "aot_eager", "min_piece_mb": "auto"}
+"""The measured grouping (``min_piece_mb="auto"``, no ``link_gbps``) with the inner backend named."""
 
 
 def send(state, bucket):  # no annotations: DDP checks them, and here they are strings

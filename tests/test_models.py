@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint as checkpoint
 
-from ddp_split_backend import DDPSplitBackend, Outcome, SplitConfig
+from ddp_split_backend import DDPSplitBackend, Outcome, SplitConfig, WholeReason
 from ddp_split_backend.guards import GlobalState
 
 from .helpers import TINY, CountingCompiler, assert_grads_equal, take_grads
@@ -79,11 +79,21 @@ class FlexAttention(nn.Module):
 
 
 def test_flex_attention_score_mod(counting) -> None:
-    """flex_attention has no CPU backward in torch 2.13: forward only (the cut is the point)."""
+    """flex_attention has no CPU backward in torch 2.13: forward only (the cut is the point),
+    with grad mode on (a graph compiled under no_grad is never cut)."""
     backend = _backend(counting)
-    with torch.no_grad():
-        _check_eager_equal(FlexAttention(), [torch.randn(2, 8, 16)], backend, backward=False, atol=1e-4)
+    _check_eager_equal(FlexAttention(), [torch.randn(2, 8, 16)], backend, backward=False, atol=1e-4)
     assert counting.count == len(backend.records[-1].plan.buckets) >= 2
+
+
+def test_a_graph_compiled_without_grad_is_one_piece_and_says_why(counting) -> None:
+    backend = _backend(counting)
+    model = MLP(width=32, depth=4)
+    with torch.no_grad():
+        _check_eager_equal(model, [torch.randn(2, 32)], backend, backward=False)
+    plan = backend.records[-1].plan
+    assert len(plan.buckets) >= 2 and len(plan.pieces) == 1 and counting.count == 1, plan.table()
+    assert plan.whole is WholeReason.NO_BACKWARD and WholeReason.NO_BACKWARD.value in plan.table()
 
 
 class WithMHA(nn.Module):
