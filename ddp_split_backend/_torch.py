@@ -11,6 +11,7 @@ which also scans the package for private names used outside this module). Public
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import importlib
@@ -44,6 +45,7 @@ __all__ = [  # every name the package uses (tests/test_compile_stage.py checks t
     "aot_fw_metadata",
     "aot_metadata_counts",
     "autograd_engine",
+    "backward_compiled_with_forward",
     "backward_reads_own_metadata",
     "c_enter_dual_level",
     "c_exit_dual_level",
@@ -413,6 +415,19 @@ def is_ddp_optimizer_piece(gm: fx.GraphModule) -> bool:
     """Whether torch's DDPOptimizer cut ``gm`` out of a larger graph."""
     reason = getattr(gm, "compile_subgraph_reason", None)
     return DDP_OPTIMIZER_MARK in str(getattr(reason, "reason", reason or ""))
+
+
+_functorch_config = _resolve("torch._functorch.config", "compiles a re-plan's backward with its forward")
+
+
+def backward_compiled_with_forward() -> contextlib.AbstractContextManager[Any]:
+    """AOTAutograd compiles each graph's backward together with its forward instead of at the
+    first backward, so that a backward the inner backend cannot compile fails while the
+    backend can still run that piece eagerly (used for ``min_piece_mb="auto"``'s re-plan,
+    which compiles in the middle of training)."""
+    if not hasattr(_functorch_config, "force_non_lazy_backward_lowering"):
+        return contextlib.nullcontext()
+    return _functorch_config.patch(force_non_lazy_backward_lowering=True)
 
 
 def ddp_rebuilds_buckets_later(ddp: torch.nn.Module) -> bool:

@@ -347,8 +347,10 @@ class DDPSplitBackend:
         with times.measure("split"):
             split = split_graph(deferred.gm, planned.layout, plan.cuts)
         context = _torch.tracing(deferred.context) if deferred.context is not None else contextlib.nullcontext()
-        with context, preserve_global_state():
+        log.info("ddp_split: %s: compiling %d pieces (training waits for it)", plan.graph_name, len(plan.pieces))
+        with context, preserve_global_state(), _torch.backward_compiled_with_forward():
             compiled = compile_pieces(split, deferred.example_inputs, deferred.inner, times, reuse=config.reuse)
+        log.info("ddp_split: %s: %d pieces compiled in %.2f s", plan.graph_name, len(plan.pieces), sum(times.seconds.values()))
         return self._finish(plan, split, deferred.gm, compiled, times)
 
     def _configured(self, options: Mapping[str, Any] | None, mode: str | None) -> tuple[SplitConfig, InnerCompile]:

@@ -1,4 +1,4 @@
-"""``min_piece_mb="auto"`` without ``link_gbps``: measure the first steps, then re-plan once.
+"""``min_piece_mb="auto"`` (opt-in) without ``link_gbps``: measure the first steps, then re-plan once.
 
 Note [Measuring the link]
 -------------------------
@@ -9,13 +9,19 @@ sized automatically is compiled as *one* piece (the fastest compile, and the bes
 when communication is free: one rank, an instant hook) and its first training steps (grad
 enabled, DDP synchronising gradients) are used as follows.
 
-1. The first runs the graph's FX code eagerly. DDP rebuilds its buckets once, from the
-   order in which gradients became ready in its first synchronised backward; one compiled
-   piece makes them all ready at once in an arbitrary order, and buckets rebuilt from that
-   would mix parameters of the whole model, so that no later grouping could hand DDP a
-   bucket before backward ends. Eagerly, gradients become ready in the order the plan
-   predicts (Note [Bucket plan]).
-2. The second runs the compiled piece unmeasured: its backward compiles.
+1. While the DDP module running the graph has yet to rebuild its buckets (its first
+   synchronised step; the first two with ``static_graph=True``; again for every new DDP
+   module of the model class), the graph's FX code runs eagerly. DDP rebuilds its buckets
+   once, from the order in which gradients became ready; one compiled piece makes them all
+   ready at once in an arbitrary order, and buckets rebuilt from that would mix parameters
+   of the whole model, so that no later grouping could hand DDP a bucket before backward
+   ends. Eagerly, gradients become ready in the order the plan predicts (Note [Bucket plan]).
+   This holds for the callable's whole life, not only while measuring.
+2. The window binds (weakly) to the first DDP module that trains through the graph after
+   that, and declines when the graph holds only part of that module's gradients (graph
+   breaks, regional compilation) or runs again before its backward ended (:class:`Declined`):
+   the grouping then comes from the static estimate. The first bound step runs the compiled
+   piece unmeasured: its backward compiles.
 3. The next :data:`MEASURED_STEPS` are timed with a :class:`measure.StepProbe`. With one
    piece, DDP launches the buckets while the gradients are accumulated after the piece's
    backward, and ``finalize_backward`` returns once the link has sent them all and DDP
@@ -33,10 +39,10 @@ enabled, DDP synchronising gradients) are used as follows.
    ``DDPSplitBackend.records``, and a ``TORCH_LOGS=ddp_split`` table) shows what was
    measured, the grouping and the recompile's seconds.
 
-Each rank measures and decides for itself; DDP's buckets and the order in which they are
-reduced do not depend on the pieces, so ranks that group differently still agree.
-Communication overlapped with another graph's backward (a model with graph breaks) is not
-seen, so such models lean towards fewer pieces.
+Each rank measures and decides for itself, with no collective (so nothing can deadlock);
+DDP's buckets and the order in which they are reduced do not depend on the pieces, so ranks
+that group differently still agree on the gradients. docs/design.md, "The measuring window",
+draws the window's life cycle.
 """
 
 from __future__ import annotations
