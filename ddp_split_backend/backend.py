@@ -150,7 +150,8 @@ def _plan_graph(
     plan = plan_buckets(
         layout, params, caps, graph_name=graph_name, min_piece_bytes=config.min_piece_bytes, costs=costs
     )
-    return _Planned(plan, layout, params, caps, ddp_module, costs, measures and plan.whole is None and len(plan.buckets) > 1)
+    measures = measures and plan.whole is None and len(plan.buckets) > 1
+    return _Planned(plan, layout, params, caps, ddp_module, costs, measures)
 
 
 def _measures_link(config: SplitConfig, ddp_module: torch.nn.Module | None, example_inputs: Sequence[Any]) -> bool:
@@ -219,7 +220,8 @@ def _frame_fakes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[Any]
     fakes = []
     for node, example in zip(placeholders, example_inputs, strict=True):
         value = node.meta.get("example_value")
-        fakes.append(value if isinstance(value, _torch.FakeTensor) or not isinstance(example, torch.Tensor) else example)
+        fake = isinstance(value, _torch.FakeTensor) or not isinstance(example, torch.Tensor)
+        fakes.append(value if fake else example)
     return fakes
 
 

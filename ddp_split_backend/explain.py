@@ -91,8 +91,8 @@ def explain(model: torch.nn.Module, *example_inputs: Any, **options: Any) -> Exp
     Explaining leaves no trace in the model and runs no collective: a DDP module is planned
     with its bucket caps and parameter names, but its wrapped module's forward is what runs
     (DDP's own forward would broadcast buffers, and the other ranks are not calling it). The
-    forward runs once under Dynamo on the real inputs, then the model's buffers (BatchNorm statistics) and the random number generators
-    are put back as they were, and the Dynamo cache of every code object this call compiled
+    forward runs once under Dynamo on the real inputs, then the model's buffers (BatchNorm
+    statistics) and the random number generators are put back as they were, and the Dynamo cache of every code object this call compiled
     is emptied, so repeated calls never approach ``recompile_limit``. Dynamo can drop a
     code object's cache only whole: a ``torch.compile`` of the same model made earlier
     compiles again at its next call (``_torch.forget_compiles``).

@@ -258,24 +258,22 @@ class RegroupingCallable:
 
     def _decline(self, current: _Current, window: _Window, reason: Declined, args: Sequence[Any]) -> Any:
         current.window = None
-        self._adopt(current, window, reason)
+        self._regroup(current, window, reason)
         return current.fn(*args)
 
-    def _regroup(self, current: _Current, window: _Window) -> None:
+    def _regroup(self, current: _Current, window: _Window, declined: Declined | None = None) -> None:
+        """Re-plan from what was seen: the measured samples, or why there are none."""
         try:
-            copying = copy_back_seconds(window.live_params()) if self._copies_back else 0.0
-        except Exception:
-            copying = 0.0
-        self._adopt(current, window, Measurement(tuple(window.samples), window.grad_bytes, copying))
-
-    def _adopt(self, current: _Current, window: _Window, seen: Measurement | Declined) -> None:
-        try:
-            fn = window.replan(seen)
+            if declined is None:
+                copying = copy_back_seconds(window.live_params()) if self._copies_back else 0.0
+                fn = window.replan(Measurement(tuple(window.samples), window.grad_bytes, copying))
+            else:
+                fn = window.replan(declined)
         except Exception as error:  # keep training on the one piece
             warnings.warn(
                 f"ddp_split: min_piece_mb='auto' could not re-plan, and keeps the graph as one piece: "
                 f"{type(error).__name__}: {error}",
-                stacklevel=4,
+                stacklevel=3,
             )
             return
         if fn is not None:

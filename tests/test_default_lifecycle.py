@@ -27,13 +27,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_split_backend
 from ddp_split_backend import ddp_split
 
+from .models import TanhStack
 from .multiproc import run_ranks
 
 pytestmark = pytest.mark.multiprocess
@@ -43,17 +43,6 @@ CAP_MB = (WIDTH * WIDTH + WIDTH) * 4 / 2**20 * 0.9
 """Under one layer's bytes: every layer is its own DDP bucket."""
 OPTIONS = {"inner": "aot_eager"}
 """The defaults, with the inner backend named (inductor would spend these tests' minutes compiling)."""
-
-
-class Stack(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x
 
 
 def _record_launch(state, bucket):  # no annotations: DDP checks them, and here they are strings
@@ -86,7 +75,7 @@ class _Pair:
 
     def __init__(self, seed: int, ddp_kwargs: dict, regional: bool = False) -> None:
         torch.manual_seed(seed)
-        base = Stack()
+        base = TanhStack(WIDTH, DEPTH)
         eager = DDP(copy.deepcopy(base), bucket_cap_mb=CAP_MB, **ddp_kwargs)
         split = DDP(copy.deepcopy(base), bucket_cap_mb=CAP_MB, **ddp_kwargs)
         if regional:  # each block compiled on its own (one graph shared by the blocks)
