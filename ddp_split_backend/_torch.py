@@ -57,6 +57,7 @@ __all__ = [  # every name the package uses (tests/test_compile_stage.py checks t
     "ddp_ignored",
     "ddp_rebuilds_buckets_later",
     "default_first_bucket_bytes",
+    "default_store",
     "detect_fake_mode",
     "dispatch_exclude_set",
     "dispatch_include_set",
@@ -428,6 +429,16 @@ def backward_compiled_with_forward() -> contextlib.AbstractContextManager[Any]:
     if not hasattr(_functorch_config, "force_non_lazy_backward_lowering"):
         return contextlib.nullcontext()
     return _functorch_config.patch(force_non_lazy_backward_lowering=True)
+
+
+_default_store = _resolve(
+    "torch.distributed.distributed_c10d._get_default_store", "ranks share min_piece_mb='auto''s grouping"
+)
+
+
+def default_store() -> Any:
+    """The key/value store every process of the job shares (made by ``init_process_group``)."""
+    return _default_store()
 
 
 def ddp_rebuilds_buckets_later(ddp: torch.nn.Module) -> bool:

@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 
 from . import _torch
+from .agree import agreed_grouping
 from .compile import CompiledPieces, InnerCompile, Outcome, PieceRecord, compile_pieces, compile_whole, copy_module
 from .config import BACKEND_NAME, BucketCaps, SplitConfig
 from .cost import device_rates, fixed_cost_s, node_backward_s
@@ -322,9 +323,12 @@ class DDPSplitBackend:
         compiled = compile_pieces(split, example_inputs, inner, times, reuse=config.reuse)
         return self._finish(plan, split, gm, compiled, times)
 
-    def _replan(self, deferred: _Deferred, measured: Measurement | Declined) -> Callable[..., Any] | None:
+    def _replan(
+        self, deferred: _Deferred, measured: Measurement | Declined, ddp: torch.nn.Module | None
+    ) -> Callable[..., Any] | None:
         """Group the buckets by what the first steps measured (Note [Measuring the link] in
-        regroup.py), or by the static estimate when they could not be measured: the new
+        regroup.py), or by the static estimate when they could not be measured, as the first
+        rank of ``ddp``'s group did (Note [One plan for every rank] in agree.py): the new
         pieces' callable, or ``None`` when one piece stays best."""
         planned, config = deferred.planned, deferred.config
         assert planned.costs is not None  # measured graphs are sized by cost
@@ -343,6 +347,9 @@ class DDPSplitBackend:
                 planned.layout, planned.params, planned.caps, graph_name=f"{planned.plan.graph_name} re-planned",
                 costs=costs,
             )
+            grouping, leader = agreed_grouping(ddp, deferred.gm.code, [b.piece for b in plan.buckets])
+            if leader is not None:
+                plan = plan.regrouped(grouping, f"grouping of rank {leader}, which decides for every rank")
         if len(plan.pieces) == 1:
             self._finish(plan, None, deferred.gm, deferred.compiled, times)
             return None
@@ -352,7 +359,8 @@ class DDPSplitBackend:
         log.info("ddp_split: %s: compiling %d pieces (training waits for it)", plan.graph_name, len(plan.pieces))
         with context, preserve_global_state(), _torch.backward_compiled_with_forward():
             compiled = compile_pieces(split, deferred.example_inputs, deferred.inner, times, reuse=config.reuse)
-        log.info("ddp_split: %s: %d pieces compiled in %.2f s", plan.graph_name, len(plan.pieces), sum(times.seconds.values()))
+        seconds = sum(times.seconds.values())
+        log.info("ddp_split: %s: %d pieces compiled in %.2f s", plan.graph_name, len(plan.pieces), seconds)
         return self._finish(plan, split, deferred.gm, compiled, times)
 
     def _configured(self, options: Mapping[str, Any] | None, mode: str | None) -> tuple[SplitConfig, InnerCompile]:

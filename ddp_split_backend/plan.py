@@ -59,6 +59,7 @@ Grouping never cuts inside a bucket: it only chooses which bucket boundaries to 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from collections.abc import Sequence
@@ -233,6 +234,11 @@ class SplitPlan:
         for b in self.buckets:
             groups.setdefault(b.piece, []).append(b)
         return tuple(PiecePlan(piece, tuple(held)) for piece, held in sorted(groups.items()))
+
+    def regrouped(self, piece_of: Sequence[int], note: str) -> SplitPlan:
+        """This plan with bucket ``i`` (forward order) in piece ``piece_of[i]``, and ``note``."""
+        buckets = tuple(dataclasses.replace(b, piece=p) for b, p in zip(self.buckets, piece_of, strict=True))
+        return dataclasses.replace(self, buckets=buckets, notes=(*self.notes, note))
 
     @property
     def cuts(self) -> tuple[int, ...]:

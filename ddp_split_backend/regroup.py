@@ -39,10 +39,10 @@ enabled, DDP synchronising gradients) are used as follows.
    ``DDPSplitBackend.records``, and a ``TORCH_LOGS=ddp_split`` table) shows what was
    measured, the grouping and the recompile's seconds.
 
-Each rank measures and decides for itself, with no collective (so nothing can deadlock);
-DDP's buckets and the order in which they are reduced do not depend on the pieces, so ranks
-that group differently still agree on the gradients. docs/design.md, "The measuring window",
-draws the window's life cycle.
+Each rank measures for itself; at the re-plan every rank takes the grouping of its DDP
+group's first rank (Note [One plan for every rank] in ``agree.py``: through the store, with a
+bounded wait, no collective). docs/design.md, "The measuring window", draws the window's
+life cycle.
 """
 
 from __future__ import annotations
@@ -147,9 +147,9 @@ class _Window:
     params_of: Callable[[torch.nn.Module], list[torch.Tensor]]
     """The graph's parameters in a DDP module (by name: every DDP of the model class)."""
     grad_bytes: int
-    replan: Callable[[Measurement | Declined], Callable[..., Any] | None]
-    """Plans from the measurement (or the static estimate, when declined); the new callable,
-    or ``None`` to keep the one piece."""
+    replan: Callable[[Measurement | Declined, torch.nn.Module | None], Callable[..., Any] | None]
+    """Plans from the measurement (or the static estimate, when declined) for the measured
+    DDP module; the new callable, or ``None`` to keep the one piece."""
     ddp: weakref.ReferenceType[torch.nn.Module] | None = None
     """The DDP module measured: the first that trains through the graph once it rebuilt its
     buckets (another takes its place if it is freed before the re-plan)."""
@@ -195,7 +195,7 @@ class RegroupingCallable:
         params_of: Callable[[torch.nn.Module], list[torch.Tensor]],
         grad_bytes: int,
         copies_back: bool,
-        replan: Callable[[Measurement | Declined], Callable[..., Any] | None],
+        replan: Callable[[Measurement | Declined, torch.nn.Module | None], Callable[..., Any] | None],
     ) -> None:
         self._current = _Current(fn, _Window(params_of, grad_bytes, replan))
         self._eager = eager
@@ -263,12 +263,13 @@ class RegroupingCallable:
 
     def _regroup(self, current: _Current, window: _Window, declined: Declined | None = None) -> None:
         """Re-plan from what was seen: the measured samples, or why there are none."""
+        ddp = window.ddp() if window.ddp is not None else None
         try:
             if declined is None:
                 copying = copy_back_seconds(window.live_params()) if self._copies_back else 0.0
-                fn = window.replan(Measurement(tuple(window.samples), window.grad_bytes, copying))
+                fn = window.replan(Measurement(tuple(window.samples), window.grad_bytes, copying), ddp)
             else:
-                fn = window.replan(declined)
+                fn = window.replan(declined, ddp)
         except Exception as error:  # keep training on the one piece
             warnings.warn(
                 f"ddp_split: min_piece_mb='auto' could not re-plan, and keeps the graph as one piece: "

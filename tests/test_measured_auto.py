@@ -149,7 +149,7 @@ def _replanned() -> list[Any]:
 
 
 def test_a_failed_replan_keeps_training_on_one_piece(link: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken(self: DDPSplitBackend, deferred: Any, measured: Measurement) -> Any:
+    def broken(self: DDPSplitBackend, deferred: Any, measured: Measurement, ddp: Any) -> Any:
         raise RuntimeError("no re-plan today")
 
     monkeypatch.setattr(DDPSplitBackend, "_replan", broken)
@@ -224,4 +224,28 @@ def test_two_ranks_measure_regroup_and_match_eager_ddp(tmp_path, ddp_kwargs) -> 
         for a, e in zip(result["split"], result["eager"], strict=True):
             torch.testing.assert_close(a, e)
     for a, b in zip(results[0]["split"], results[1]["split"], strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def _dissenting_worker(rank: int, world: int, **kwargs: Any) -> dict:
+    """Rank 1 alone would see a free link (nothing worth a cut) and keep one piece."""
+    if rank == 1:
+        Measurement.worth_a_cut = lambda self, fixed_s: False  # a spawned process: undone at its exit
+    result = _grouped_sgd_worker(rank, world, **kwargs)
+    result["notes"] = ddp_split.records[-1].plan.notes
+    return result
+
+
+@pytest.mark.multiprocess
+def test_every_rank_uses_the_first_ranks_grouping(tmp_path) -> None:
+    """Note [One plan for every rank]: ranks that measured differently still cut alike."""
+    results = run_ranks(
+        _dissenting_worker, tmp_path, world=2, min_piece_mb="auto", steps=STEPS_BEFORE_REPLAN + 3,
+        delay_s=5e-4, width=512, batch=64,
+    )
+    first, second = results
+    assert first["graph_name"].endswith("re-planned") and second["graph_name"].endswith("re-planned")
+    assert 1 < len(first["pieces"]) and second["pieces"] == first["pieces"], (first["sizing"], second["sizing"])
+    assert not any("rank 0" in n for n in first["notes"]) and any("grouping of rank 0" in n for n in second["notes"])
+    for a, b in zip(first["split"], second["split"], strict=True):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
