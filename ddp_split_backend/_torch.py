@@ -53,9 +53,9 @@ __all__ = [  # every name the package uses (tests/test_compile_stage.py checks t
     "compiled_original",
     "ddp_comm_hooks",
     "ddp_first_bucket_bytes",
-    "ddp_gradient_bytes",
     "ddp_ignored",
     "ddp_rebuilds_buckets_later",
+    "ddp_reduced_params",
     "default_first_bucket_bytes",
     "default_store",
     "detect_fake_mode",
@@ -451,18 +451,15 @@ def ddp_rebuilds_buckets_later(ddp: torch.nn.Module) -> bool:
     return bool(getattr(ddp, "static_graph", False)) or not getattr(ddp, "find_unused_parameters", False)
 
 
-def ddp_gradient_bytes(ddp: torch.nn.Module) -> int:
-    """Bytes of the gradients ``ddp`` reduces: its module's trainable parameters, less the
-    ones it was told to ignore."""
+def ddp_reduced_params(ddp: torch.nn.Module) -> list[torch.Tensor]:
+    """The parameters whose gradients ``ddp`` reduces: its module's trainable parameters,
+    less the ones it was told to ignore."""
     ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
     module = getattr(ddp, "module", ddp)
-    seen: set[int] = set()
-    total = 0
-    for name, param in module.named_parameters():
-        if param.requires_grad and name not in ignored and not ddp_ignored(param) and id(param) not in seen:
-            seen.add(id(param))
-            total += param.numel() * param.element_size()
-    return total
+    return [
+        param for name, param in module.named_parameters()
+        if param.requires_grad and name not in ignored and not ddp_ignored(param)
+    ]
 
 
 def active_ddp_module() -> torch.nn.Module | None:

@@ -334,6 +334,8 @@ class DDPSplitBackend:
         assert planned.costs is not None  # measured graphs are sized by cost
         times = StageTimes()
         with times.measure("plan"):
+            if isinstance(measured, Measurement) and measured.partial and measured.worth_a_cut(planned.costs.fixed_s):
+                measured = Declined.PART_OF_THE_MODEL
             if isinstance(measured, Declined):
                 log.info("ddp_split: %s not measured, grouped by the static estimate: %s",
                           planned.plan.graph_name, measured.value)

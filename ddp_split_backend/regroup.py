@@ -18,10 +18,12 @@ enabled, DDP synchronising gradients) are used as follows.
    ends. Eagerly, gradients become ready in the order the plan predicts (Note [Bucket plan]).
    This holds for the callable's whole life, not only while measuring.
 2. The window binds (weakly) to the first DDP module that trains through the graph after
-   that, and declines when the graph holds only part of that module's gradients (graph
-   breaks, regional compilation) or runs again before its backward ended (:class:`Declined`):
-   the grouping then comes from the static estimate. The first bound step runs the compiled
-   piece unmeasured: its backward compiles.
+   that. When the graph holds only part of that module's gradients (graph breaks, regional
+   compilation), the probe times all of DDP's backward instead (:attr:`Measurement.partial`):
+   if nothing worth a cut was exposed the graph stays one piece, otherwise which graph's
+   cuts would help cannot be told and the grouping comes from the static estimate
+   (:class:`Declined`), as it does when the graph runs again before its backward ended.
+   The first bound step runs the compiled piece unmeasured: its backward compiles.
 3. The next :data:`MEASURED_STEPS` are timed with a :class:`measure.StepProbe`. With one
    piece, DDP launches the buckets while the gradients are accumulated after the piece's
    backward, and ``finalize_backward`` returns once the link has sent them all and DDP
@@ -79,7 +81,11 @@ class Measurement:
     grad_bytes: int
     ddp_work_s: float = 0.0
     """Of the time after backward, what DDP does whatever the link (copying each bucket back
-    into the gradients, timed on the graph's parameters), not sending."""
+    into the gradients, timed on the measured parameters), not sending."""
+    partial: bool = False
+    """The graph holds only part of DDP's gradients (graph breaks, regional compilation):
+    the samples time the whole of DDP's backward, which says whether communication was left
+    exposed, not which graph's cuts would hide it."""
 
     @property
     def backward_s(self) -> float:
@@ -113,8 +119,9 @@ class Measurement:
         computed = max(0.0, self.backward_s - backward_share * fixed_s)
         scale = computed / estimated if estimated > 0 else 0.0
         ms, comm = 1e3, self.comm_s
+        whole = " (all of DDP's backward: the graph holds part of its gradients)" if self.partial else ""
         seen = (
-            f"measured over {len(self.samples)} steps as one piece: {self.backward_s * ms:.2f} ms of "
+            f"measured over {len(self.samples)} steps as one piece{whole}: {self.backward_s * ms:.2f} ms of "
             f"backward, {max(0.0, self.exposed_s) * ms:.2f} ms exposed after it (DDP's copy back, "
             f"{self.ddp_work_s * ms:.2f} ms, not counted)"
         )
@@ -134,8 +141,8 @@ class Declined(enum.Enum):
     """Why a graph's steps could not be measured; it is grouped by the static estimate."""
 
     PART_OF_THE_MODEL = (
-        "the graph holds only part of DDP's gradients (graph breaks or regional compilation): "
-        "its backward cannot be timed apart from the rest"
+        "the graph holds only part of DDP's gradients (graph breaks or regional compilation) and "
+        "communication was left exposed: which graph's cuts would hide it cannot be told"
     )
     CALLED_TWICE = "the graph ran again before its last backward ended (several calls per step)"
 
@@ -154,17 +161,21 @@ class _Window:
     """The DDP module measured: the first that trains through the graph once it rebuilt its
     buckets (another takes its place if it is freed before the re-plan)."""
     params: tuple[weakref.ReferenceType[torch.Tensor], ...] = ()
+    """The parameters timed: the graph's, or all of DDP's when the graph holds part of them."""
+    partial: bool = False
     steps: int = 0
     probe: StepProbe | None = None
     samples: list[StepSample] = field(default_factory=list)
 
-    def bind(self, ddp: torch.nn.Module) -> Declined | None:
-        """Measure ``ddp``'s steps from now on (a new DDP starts over)."""
+    def bind(self, ddp: torch.nn.Module) -> None:
+        """Measure ``ddp``'s steps from now on (a new DDP starts over). A graph holding only
+        part of DDP's gradients times all of DDP's backward (:attr:`Measurement.partial`)."""
         self.ddp, self.steps, self.probe, self.samples = weakref.ref(ddp), 0, None, []
         params = self.params_of(ddp)
-        self.params = tuple(weakref.ref(p) for p in params)
-        held = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-        return None if held >= _torch.ddp_gradient_bytes(ddp) else Declined.PART_OF_THE_MODEL
+        reduced = _torch.ddp_reduced_params(ddp)
+        held = {id(p) for p in params}
+        self.partial = any(id(p) not in held for p in reduced)
+        self.params = tuple(weakref.ref(p) for p in (reduced if self.partial else params))
 
     def live_params(self) -> list[torch.Tensor]:
         return [p for p in (ref() for ref in self.params) if p is not None]
@@ -224,9 +235,7 @@ class RegroupingCallable:
         self._collect(window)
         bound = window.ddp() if window.ddp is not None else None
         if bound is None:
-            declined = window.bind(ddp)
-            if declined is not None:
-                return self._decline(current, window, declined, args)
+            window.bind(ddp)
         elif bound is not ddp:
             return current.fn(*args)  # another DDP module of the same model class: not measured
         window.steps += 1
@@ -267,7 +276,8 @@ class RegroupingCallable:
         try:
             if declined is None:
                 copying = copy_back_seconds(window.live_params()) if self._copies_back else 0.0
-                fn = window.replan(Measurement(tuple(window.samples), window.grad_bytes, copying), ddp)
+                measured = Measurement(tuple(window.samples), window.grad_bytes, copying, window.partial)
+                fn = window.replan(measured, ddp)
             else:
                 fn = window.replan(declined, ddp)
         except Exception as error:  # keep training on the one piece

@@ -249,3 +249,44 @@ def test_every_rank_uses_the_first_ranks_grouping(tmp_path) -> None:
     assert not any("rank 0" in n for n in first["notes"]) and any("grouping of rank 0" in n for n in second["notes"])
     for a, b in zip(first["split"], second["split"], strict=True):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+class Broken(torch.nn.Module):
+    """Two Dynamo graphs (a graph break halfway), each holding half of DDP's gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.front, self.back = TanhStack(WIDTH, DEPTH // 2), TanhStack(WIDTH, DEPTH // 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.front(x)
+        torch._dynamo.graph_break()
+        return self.back(x)
+
+
+def _train_broken(hook: Any, state: Any) -> list[Any]:
+    torch.manual_seed(0)
+    split = DDP(Broken(), bucket_cap_mb=1)
+    split.register_comm_hook(state, hook)
+    compiled = torch.compile(split, backend="ddp_split", options=AUTO)
+    with ddp_split_backend.own_split():
+        for _ in range(STEPS_BEFORE_REPLAN + 2):
+            compiled(torch.randn(128, WIDTH)).sum().backward()  # milliseconds of backward: above timing noise
+    return _replanned()
+
+
+def test_graph_breaks_over_an_instant_link_keep_every_graph_whole() -> None:
+    """Each graph times all of DDP's backward; nothing was exposed, so no graph is cut."""
+    replanned = _train_broken(instant, None)
+    assert len(replanned) == 2, [r.plan.graph_name for r in ddp_split.records]
+    for record in replanned:
+        assert len(record.plan.pieces) == 1 and "all of DDP's backward" in record.plan.sizing.link, record.plan.table()
+        assert record.times.seconds["inner"] == 0.0
+
+
+def test_graph_breaks_over_a_slow_link_are_grouped_by_the_static_estimate(link: Any) -> None:
+    link.bandwidth = 100 * MIB
+    replanned = _train_broken(send, link)
+    assert len(replanned) == 2
+    for record in replanned:
+        assert "not measured" in record.plan.sizing.link and len(record.plan.pieces) > 1, record.plan.table()
