@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ddp-split-installed
+DEMO_STAMP := $(VENV)/.ddp-split-demo-installed
 BENCH_STAMP := $(VENV)/.ddp-split-bench-installed
 
 # Another supported torch: its own venv in a cache folder outside the clone (.ci/torch/ pins
@@ -11,14 +12,19 @@ TORCH ?= 2.15.0
 
 .PHONY: demo test test-fast test-slow test-torch test-matrix gpu-check bench clean
 
-$(STAMP): pyproject.toml constraints.txt
+# The demo imports torch and this package only; the tests also need every extra.
+$(DEMO_STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
+	$(PY) .ci/pip_keeps_torch.py -c constraints.txt -e .
+	touch $(DEMO_STAMP)
+
+$(STAMP): $(DEMO_STAMP)
 	$(PY) .ci/pip_keeps_torch.py -c constraints.txt -e '.[test,plot,models,launchers]'
 	touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --steps 200
 
 test: $(STAMP)

@@ -14,6 +14,14 @@ Models:
   ``bucket_cap_mb=1``: 48 buckets (``compile_time.py``'s model).
 * ``gpt2``: transformers' GPT-2 from a tiny config (6 layers, width 128), batch 8 x 64
   tokens, ``bucket_cap_mb=1`` (DDPOptimizer asserts on caps under its 1 MiB first bucket).
+* ``transformer`` and ``bn_cnn``: the models of a new user's scripts (issues 31-33; the
+  same classes as ``tests/test_replan_inductor.py``): two ``TransformerEncoderLayer`` under
+  bf16 autocast, batch 4 x 8 x 64, and four Conv2d + BatchNorm2d on 4 x 3 x 16 x 16 images;
+  ``bucket_cap_mb=0.02``. DDPOptimizer asserts on that cap, so it is left out for them.
+
+``--slow-link-ms D`` completes every bucket's allreduce D ms late in every mode (the tests'
+``slow_allreduce``): with it ``min_piece_mb="auto"`` measures exposed communication and its
+re-plan compiles new pieces, whose seconds are printed (``re-plan``).
 
 Modes, each ``DDP(torch.compile(model, backend=...))``, inner backend inductor:
 
@@ -27,6 +35,8 @@ Example::
 
     .venv/bin/python benchmarks/warmup.py                    # both models, 2 rounds (~12 min)
     .venv/bin/python benchmarks/warmup.py --models gpt2 --rounds 1
+    .venv/bin/python benchmarks/warmup.py --models transformer bn_cnn --modes ddp_split ddp_split_auto \
+        one_graph --slow-link-ms 2 --rounds 1         # the re-plan's compile on a new user's models
 """
 
 from __future__ import annotations
@@ -52,7 +62,7 @@ from compile_time import ResidualStack, _warmup_fn
 
 HERE = Path(__file__).resolve().parent
 MODES = ("ddp_split", "ddp_split_auto", "ddp_optimizer", "one_graph")
-MODELS = ("blocks48", "gpt2")
+MODELS = ("blocks48", "gpt2", "transformer", "bn_cnn")
 
 
 def _model(name: str) -> tuple[torch.nn.Module, Any, float]:
@@ -61,6 +71,11 @@ def _model(name: str) -> tuple[torch.nn.Module, Any, float]:
         x = torch.randn(32, 512)
         return ResidualStack(48, 512), lambda m, step: m(x).pow(2).mean(), 1.0
     sys.path.insert(0, str(HERE.parent))
+    if name in ("transformer", "bn_cnn"):
+        from tests.test_replan_inductor import Block, ConvNet
+
+        x = torch.randn(4, 8, 64) if name == "transformer" else torch.randn(4, 3, 16, 16)
+        return (Block() if name == "transformer" else ConvNet()), lambda m, step: m(x).square().mean(), 0.02
     from tests.torchvision_cpu import define_torchvision_operators
 
     define_torchvision_operators()  # transformers imports torchvision, a CUDA build beside CPU torch 2.13
@@ -71,7 +86,7 @@ def _model(name: str) -> tuple[torch.nn.Module, Any, float]:
     return GPT2LMHeadModel(config), lambda m, step: m(input_ids=tokens, labels=tokens).loss, 1.0
 
 
-def _worker(mode: str, model_name: str, steps: int, steady: int) -> dict[str, Any]:
+def _worker(mode: str, model_name: str, steps: int, steady: int, slow_link_ms: float) -> dict[str, Any]:
     torch._inductor.config.fx_graph_cache = False
     if hasattr(torch._functorch.config, "enable_autograd_cache"):
         torch._functorch.config.enable_autograd_cache = False
@@ -92,6 +107,10 @@ def _worker(mode: str, model_name: str, steps: int, steady: int) -> dict[str, An
         compiled = torch.compile(model, backend="inductor")
         context = torch._dynamo.config.patch(optimize_ddp=mode == "ddp_optimizer")
     ddp = DDP(compiled, bucket_cap_mb=cap)
+    if slow_link_ms:
+        from tests.test_pieces import slow_allreduce
+
+        ddp.register_comm_hook(slow_link_ms / 1e3, slow_allreduce)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=1e-3)
     times = []
     with context:
@@ -121,7 +140,7 @@ def run_mode(mode: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TORCHINDUCTOR_FX_GRAPH_CACHE="0",
                    TORCHINDUCTOR_AUTOGRAD_CACHE="0", OMP_NUM_THREADS="2")
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", mode, "--models", model,
-               "--steps", str(args.steps), "--steady", str(args.steady)]
+               "--steps", str(args.steps), "--steady", str(args.steady), "--slow-link-ms", str(args.slow_link_ms)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"{mode}/{model} worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -131,7 +150,7 @@ def run_mode(mode: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def table(rows: dict[tuple[str, str], dict[str, Any]], models: list[str], modes: list[str]) -> str:
     lines = ["| model | mode | warm-up s (first steps - steady) | / one piece per bucket | / DDPOptimizer "
-             "| steady step ms | pieces |", "|---|---|---|---|---|---|---|"]
+             "| steady step ms | pieces | re-plan s |", "|---|---|---|---|---|---|---|---|"]
     for model in models:
         per_bucket = rows.get((model, "ddp_split"), {}).get("warmup_s")
         optimizer = rows.get((model, "ddp_optimizer"), {}).get("warmup_s")
@@ -139,8 +158,9 @@ def table(rows: dict[tuple[str, str], dict[str, Any]], models: list[str], modes:
             row = rows[(model, mode)]
             ratio = lambda base: f"{row['warmup_s'] / base:.2f}" if base else "-"  # noqa: E731
             pieces = ", ".join(str(p) for _, p, _ in row["plans"]) or "-"
+            replans = ", ".join(f"{s:.2f}" for s in row.get("replan_s", ())) or "-"
             lines.append(f"| {model} | {mode} | {row['warmup_s']:.1f} | {ratio(per_bucket)} | {ratio(optimizer)} "
-                         f"| {1e3 * row['steady_step_s']:.1f} | {pieces} |")
+                         f"| {1e3 * row['steady_step_s']:.1f} | {pieces} | {replans} |")
     return "\n".join(lines)
 
 
@@ -151,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--steady", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--slow-link-ms", type=float, default=0.0,
+                        help="every bucket's allreduce completes this many ms late, in every mode")
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--out", default=str(HERE / "results" / "warmup.json"))
     parser.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
@@ -160,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
 
         warnings.filterwarnings("ignore")
         with contextlib.redirect_stdout(sys.stderr):
-            result = _worker(args.worker, args.models[0], args.steps, args.steady)
+            result = _worker(args.worker, args.models[0], args.steps, args.steady, args.slow_link_ms)
         print("RESULT " + json.dumps(result), flush=True)
         return 0
     runs = []
@@ -181,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                 "warmup_s": statistics.median(r["warmup_s"] for r in mine),
                 "steady_step_s": statistics.median(r["steady_step_s"] for r in mine),
                 "plans": mine[-1]["plans"],
+                "replan_s": [s for r in mine for s in r["replan_s"]],
             }
     text = table(rows, args.models, args.modes)
     print(text)

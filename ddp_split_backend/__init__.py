@@ -11,6 +11,7 @@ from .compile import Failure, Outcome, PieceRecord
 from .config import SplitConfig, SplitConfigError
 from .ddp_mode import own_split
 from .explain import ExplainResult, explain
+from .extras import MissingExtra
 from .overlap import BucketTiming, OverlapReport, OverlapWatch, StepOverlap, watch_overlap
 from .plan import AdjustReason, BoundaryAdjustment, BucketPlan, PieceSizing, SplitPlan, WholeReason
 from .teardown import close_ddp
@@ -24,6 +25,7 @@ __all__ = [
     "DDPSplitBackend",
     "ExplainResult",
     "Failure",
+    "MissingExtra",
     "Outcome",
     "OverlapReport",
     "OverlapWatch",

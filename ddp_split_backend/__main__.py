@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from .explain import explain
+from .extras import missing
 
 
 def _shape(text: str) -> tuple[int, ...]:
@@ -56,6 +57,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ex.add_argument("--link-gbps", type=float, default=None, help="with auto: the link's speed in GB/s")
     ex.add_argument("--png", default=None, help="also draw the plan into this PNG file")
     args = parser.parse_args(argv)
+    if args.png and (problem := missing("matplotlib", "--png")):
+        sys.stderr.write(problem + "\n")
+        return 2
 
     sys.path.insert(0, ".")
     model = _load(args.model)

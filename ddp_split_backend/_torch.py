@@ -37,6 +37,7 @@ __all__ = [  # every name the package uses (tests/test_compile_stage.py checks t
     "PrivateName",
     "ReleaseDifference",
     "SUPPORTED",
+    "ShortenTraceback",
     "TorchInternalsError",
     "TracingContext",
     "UnsupportedTorchError",
@@ -317,6 +318,10 @@ set_dispatch_key_excluded = _resolve("torch._C._dispatch_tls_set_dispatch_key_ex
 
 # --- Dynamo, AOTAutograd and fake tensors
 pytree = _resolve("torch.utils._pytree", "flattens graph outputs into pieces' outputs and back")
+ShortenTraceback = _resolve(
+    "torch._dynamo.exc.ShortenTraceback",
+    "the one exception Dynamo passes on from a backend unwrapped (option errors reach the user as themselves)",
+)
 TracingContext = _resolve("torch._guards.TracingContext", "AOT fw_metadata stack and fakify_first_call")
 CompileContext = _resolve("torch._guards.CompileContext", "Dynamo's compile id for log lines")
 detect_fake_mode = _resolve("torch._guards.detect_fake_mode", "the fake mode Dynamo traced with")

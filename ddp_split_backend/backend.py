@@ -14,6 +14,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import inspect
 import itertools
 import math
 import warnings
@@ -27,9 +28,9 @@ import torch.fx as fx
 from . import _torch
 from .agree import agreed_grouping
 from .compile import CompiledPieces, InnerCompile, Outcome, PieceRecord, compile_pieces, compile_whole, copy_module
-from .config import BACKEND_NAME, BucketCaps, SplitConfig
+from .config import BACKEND_NAME, BucketCaps, SplitConfig, SplitConfigError
 from .cost import device_rates, fixed_cost_s, node_backward_s
-from .diagnostics import log, log_compiled
+from .diagnostics import log_compiled, show_summaries, summary_log
 from .guards import preserve_global_state, track_state_calls
 from .inner import inner_compile, inductor_patches
 from .layout import GraphLayout, layout_graph
@@ -296,7 +297,12 @@ class DDPSplitBackend:
         options: Mapping[str, Any] | None = None,
         mode: str | None = None,
     ) -> Callable[..., Any]:
-        config, inner = self._configured(options, mode)
+        try:
+            config, inner = self._configured(options, mode)
+        except SplitConfigError as error:  # Note [Option errors reach the user as themselves]
+            error.first_useful_frame = inspect.currentframe()
+            raise error.with_traceback(None) from None
+        show_summaries()
         graph_name = _graph_name(next(self._graph_count))
         times = StageTimes()
 
@@ -310,7 +316,11 @@ class DDPSplitBackend:
         plan = planned.plan
         if len(plan.pieces) == 1:
             compiled = compile_whole(gm, example_inputs, inner, times)
-            fn = self._finish(plan, None, gm, compiled, times)
+            measuring = (
+                f"compiled in {sum(times.seconds.values()):.1f} s; re-planned once its first "
+                f"{STEPS_BEFORE_REPLAN} training steps are measured" if planned.measures_link else None
+            )
+            fn = self._finish(plan, None, gm, compiled, times, measuring)
             if not planned.measures_link:
                 return fn
             deferred = _Deferred(
@@ -337,8 +347,8 @@ class DDPSplitBackend:
             if isinstance(measured, Measurement) and measured.partial and measured.worth_a_cut(planned.costs.fixed_s):
                 measured = Declined.PART_OF_THE_MODEL
             if isinstance(measured, Declined):
-                log.info("ddp_split: %s not measured, grouped by the static estimate: %s",
-                          planned.plan.graph_name, measured.value)
+                summary_log.info("ddp_split: %s not measured, grouped by the static estimate: %s",
+                                 planned.plan.graph_name, measured.value)
                 costs = dataclasses.replace(
                     planned.costs, link_bytes_per_s=None,
                     link_source=f"not measured ({measured.value}); assumed as long as each bucket's backward",
@@ -353,16 +363,15 @@ class DDPSplitBackend:
             if leader is not None:
                 plan = plan.regrouped(grouping, f"grouping of rank {leader}, which decides for every rank")
         if len(plan.pieces) == 1:
-            self._finish(plan, None, deferred.gm, deferred.compiled, times)
+            self._finish(plan, None, deferred.gm, deferred.compiled, times, "kept as compiled, nothing recompiled")
             return None
         with times.measure("split"):
             split = split_graph(deferred.gm, planned.layout, plan.cuts)
         context = _torch.tracing(deferred.context) if deferred.context is not None else contextlib.nullcontext()
-        log.info("ddp_split: %s: compiling %d pieces (training waits for it)", plan.graph_name, len(plan.pieces))
+        summary_log.info("ddp_split: %s: compiling %d pieces for %d DDP buckets (training waits for it)",
+                         plan.graph_name, len(plan.pieces), len(plan.buckets))
         with context, preserve_global_state(), _torch.backward_compiled_with_forward():
             compiled = compile_pieces(split, deferred.example_inputs, deferred.inner, times, reuse=config.reuse)
-        seconds = sum(times.seconds.values())
-        log.info("ddp_split: %s: %d pieces compiled in %.2f s", plan.graph_name, len(plan.pieces), seconds)
         return self._finish(plan, split, deferred.gm, compiled, times)
 
     def _configured(self, options: Mapping[str, Any] | None, mode: str | None) -> tuple[SplitConfig, InnerCompile]:
@@ -395,11 +404,13 @@ class DDPSplitBackend:
         gm: fx.GraphModule,
         compiled: CompiledPieces,
         times: StageTimes,
+        done: str | None = None,
     ) -> Callable[..., Any]:
-        """Record and log what was done; wrap the callables for run time."""
+        """Record and log what was done (``done``: what the log line says in place of the
+        compile's seconds); wrap the callables for run time."""
         record = CompileRecord(plan, compiled.records, times)
         self.records.append(record)
-        log_compiled(plan, split, record.compiled_by, times)
+        log_compiled(plan, split, record.compiled_by, times, done)
         if split is not None:
             return StitchedCallable(split, compiled.callables, record.compiled_by)
         (fn,) = compiled.callables

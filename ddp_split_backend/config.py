@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import types
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -41,8 +42,31 @@ def _ddp_first_bucket_bytes() -> int:
     return _torch.default_first_bucket_bytes()
 
 
-class SplitConfigError(ValueError):
-    """A ``ddp_split`` option has a bad value; the message names option, value and fix."""
+class SplitConfigError(ValueError, _torch.ShortenTraceback):
+    """A ``ddp_split`` option has a bad value; the message names option, value and fix.
+
+    Note [Option errors reach the user as themselves]: options given to ``torch.compile``
+    reach the backend only when Dynamo compiles the first graph, inside the first forward,
+    and Dynamo wraps whatever a backend raises in ``BackendCompilerFailed`` ("please report
+    this to PyTorch"), except its own ``ShortenTraceback``, which it raises as it is, its
+    traceback starting at :attr:`first_useful_frame`. So this error is one as well: the user
+    sees ``SplitConfigError`` and its message, raised from the backend's call (set by the
+    backend), not torch's internals, and without the hints for reporting a torch bug that
+    Dynamo appends to the message on the way. It is still a ``ValueError``."""
+
+    def __init__(self, message: str) -> None:
+        ValueError.__init__(self, message)
+        self.message = message
+        self.first_useful_frame: types.FrameType | None = None
+
+    def remove_dynamo_frames(self) -> SplitConfigError:
+        """What Dynamo raises: this error with its own message, its traceback from
+        :attr:`first_useful_frame` on (all of it when that frame is not in it)."""
+        self.args = (self.message,)
+        tb = self.__traceback__
+        while tb is not None and tb.tb_frame is not self.first_useful_frame:
+            tb = tb.tb_next
+        return self.with_traceback(tb) if tb is not None else self
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,13 @@
-"""Diagnostics made from plans: log lines (``TORCH_LOGS=ddp_split``) and tlparse artifacts.
+"""Diagnostics made from plans: log lines and tlparse artifacts.
 
 The plan object is the source of truth; everything here only renders it.
 
-* ``TORCH_LOGS=ddp_split``: one bucket table per compiled graph (logger ``ddp_split``).
+* Always (logger ``ddp_split.summary``, INFO): one line per compiled graph, saying its
+  pieces, buckets and why, and the compile's seconds; one when ``min_piece_mb="auto"``
+  starts a re-plan's compile. Nothing per step. Shown on the first rank by a handler of its
+  own unless the user's logging would show it (Note [Lines a normal run prints]).
+* ``TORCH_LOGS=ddp_split``: also one bucket table per compiled graph (logger ``ddp_split``),
+  no wider than 120 columns.
 * ``TORCH_LOGS=+ddp_split``: also the split graph and every piece's code (``ddp_split.graphs``).
 * ``TORCH_TRACE=dir``: structured artifacts ``ddp_split_plan`` (JSON) and
   ``ddp_split_piece_<k>`` (code), shown by tlparse next to Dynamo's own.
@@ -10,22 +15,91 @@ The plan object is the source of truth; everything here only renders it.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import json
 import logging
+import os
+import textwrap
 from collections.abc import Sequence
 from typing import Any
 
+import torch.distributed as dist
+
 from . import _torch
-from .plan import SplitPlan
+from .plan import TABLE_WIDTH, SplitPlan
 from .split import SplitGraph
 from .timing import StageTimes
 
-__all__ = ["log_compiled", "plan_to_dict"]
+__all__ = ["log_compiled", "plan_to_dict", "show_summaries", "summary_log"]
 
 log = logging.getLogger("ddp_split")
 graph_log = logging.getLogger("ddp_split.graphs")
+summary_log = logging.getLogger("ddp_split.summary")
+
+# Note [Lines a normal run prints]
+# --------------------------------
+# A user who never configured logging should still learn, once per graph, what ddp_split did
+# (and that a pause is a re-plan's compile, not a hang). Python shows only warnings from a
+# library that has no handler, so the first compile (never the import) gives the
+# ``ddp_split.summary`` logger level INFO, unless the user set one, and a handler that
+# prints to stderr on the process group's first rank only. That handler stays quiet when any
+# other handler would receive the record (the user's logging, pytest, ``TORCH_LOGS``), so a
+# line is never printed twice. To silence it:
+# ``logging.getLogger("ddp_split.summary").setLevel(logging.WARNING)``.
+
+
+class _FirstRankHandler(logging.StreamHandler):
+    """Prints summary lines on rank 0 when no other handler would (Note [Lines a normal run prints])."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not super().filter(record) or _rank() != 0:
+            return False
+        logger: logging.Logger | None = summary_log
+        while logger is not None:
+            if any(h is not self for h in logger.handlers):
+                return False
+            logger = logger.parent if logger.propagate else None
+        return True
+
+
+def _rank() -> int:
+    """This process's rank in the default group (torchrun's ``RANK`` before it exists)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0") or 0)
+
+
+def show_summaries() -> None:
+    """Make ``ddp_split.summary`` lines visible by default (Note [Lines a normal run prints])."""
+    if any(isinstance(h, _FirstRankHandler) for h in summary_log.handlers):
+        return
+    if summary_log.level == logging.NOTSET:
+        summary_log.setLevel(logging.INFO)
+    handler = _FirstRankHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    summary_log.addHandler(handler)
+
+
+def summary_line(plan: SplitPlan, compiled_by: Sequence[str], seconds: float, done: str | None = None) -> str:
+    """``ddp_split: graph 0 [0/0]: 7 pieces for 7 DDP buckets (one per bucket); compiled in
+    3.1 s (4 reused)``; ``done`` replaces the compile's part."""
+    reused = sum("same as piece" in c for c in compiled_by)
+    eager = sum(c.startswith("eager") for c in compiled_by)
+    extra = ", ".join(part for part in (
+        f"{reused} reused" if reused else "", f"{eager} eager after the inner backend failed" if eager else ""
+    ) if part)
+    done = done or f"compiled in {seconds:.1f} s" + (f" ({extra})" if extra else "")
+    return f"ddp_split: {plan.graph_name}: {plan.summary()}; {done}"
+
+
+def _compiled_by(compiled_by: Sequence[str]) -> str:
+    """``inductor x 5, same as an earlier piece x 43`` (one entry per kind of compile)."""
+    kinds = collections.Counter(
+        "same as an earlier piece" if "same as piece" in c else c for c in compiled_by
+    )
+    return ", ".join(f"{kind} x {n}" if n > 1 else kind for kind, n in kinds.items())
 
 
 def _jsonable(value: Any) -> Any:
@@ -44,11 +118,18 @@ def plan_to_dict(plan: SplitPlan) -> dict[str, Any]:
 
 
 def log_compiled(
-    plan: SplitPlan, split: SplitGraph | None, compiled_by: Sequence[str], times: StageTimes
+    plan: SplitPlan,
+    split: SplitGraph | None,
+    compiled_by: Sequence[str],
+    times: StageTimes,
+    done: str | None = None,
 ) -> None:
-    """Log and trace what the backend did with one graph."""
+    """Log and trace what the backend did with one graph (``done``: see :func:`summary_line`)."""
+    summary_log.info("%s", summary_line(plan, compiled_by, sum(times.seconds.values()), done))
     if log.isEnabledFor(logging.INFO):
-        log.info("%s\n  compiled by: %s\n  compile %s", plan.table(), ", ".join(compiled_by), times.describe())
+        details = (f"compiled by: {_compiled_by(compiled_by)}", f"compile {times.describe()}")
+        wrapped = (textwrap.fill(d, TABLE_WIDTH, initial_indent="  ", subsequent_indent="    ") for d in details)
+        log.info("%s\n%s", plan.table(), "\n".join(wrapped))
     _torch.trace_structured(
         "artifact",
         metadata_fn=lambda: {"name": "ddp_split_plan", "encoding": "json"},

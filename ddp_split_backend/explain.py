@@ -38,12 +38,13 @@ class ExplainResult:
         header = f"{len(self.plans)} graph(s) (Dynamo graph breaks make several)"
         return "\n\n".join([header, *(p.table() for p in self.plans)])
 
-    def render_png(self, path: str | Path) -> Path:
+    def render_png(self, path: str | Path) -> Path | None:
         """Draw the plans: buckets as bars sized by bytes along the graph, cuts and state
-        regions marked. Needs matplotlib (``pip install ddp-split-backend[plot]``)."""
-        from .picture import draw_plans
+        regions marked. Needs matplotlib (``pip install 'ddp-split-backend[plot]'``): without
+        it, one warning naming the extra and ``None``."""
+        from .picture import draw_plans, drawn
 
-        return draw_plans(self.plans, Path(path))
+        return drawn(lambda: draw_plans(self.plans, Path(path)))
 
 
 def _plan_recorder(

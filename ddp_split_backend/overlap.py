@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,10 +34,17 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from . import _torch
 from .clock import Clock
+from .diagnostics import summary_log
+from .plan import TABLE_WIDTH
+from .regroup import STEPS_BEFORE_REPLAN, replan_pending
 
 __all__ = ["BucketTiming", "OverlapReport", "OverlapWatch", "StepOverlap", "watch_overlap"]
 
 log = logging.getLogger("ddp_split")
+
+MOST_WAITED = 2 * STEPS_BEFORE_REPLAN
+"""Training steps a watch waits at most for a ``min_piece_mb="auto"`` re-plan before it
+measures anyway (a graph of another DDP module with the same parameter names never ends it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +108,9 @@ class OverlapReport:
 
     steps: tuple[StepOverlap, ...]
     device: str
+    waited: int = 0
+    """Training steps the window started later than asked, waiting for ``min_piece_mb="auto"``
+    to re-plan (it measures the plan that stays)."""
 
     @property
     def median_exposed_share(self) -> float:
@@ -115,14 +126,31 @@ class OverlapReport:
             return None
         return sorted(self.steps, key=lambda s: s.exposed_share)[len(self.steps) // 2]
 
+    def summary(self) -> str:
+        """One line: how much of the communication backward hid (the median step)."""
+        median = self.median_step()
+        if median is None:
+            return "ddp_split overlap: no step measured yet"
+        waited = f", after waiting {self.waited} steps for the re-plan" if self.waited else ""
+        return (
+            f"ddp_split overlap, training forwards {self.steps[0].step}-{self.steps[-1].step}{waited}: "
+            f"{1 - self.median_exposed_share:.0%} of the communication was hidden behind backward "
+            f"({median.ready_before_end} of {len(median.buckets)} buckets sent before backward ended; "
+            f"{self.median_exposed_s * 1e3:.2f} ms exposed after it, median)"
+        )
+
     def table(self) -> str:
         """Per step the exposed communication; per bucket of the median step its times."""
         if not self.steps:
             return "ddp_split overlap: no step measured yet"
         lines = [
-            f"ddp_split overlap ({self.device}, {len(self.steps)} steps): exposed communication "
-            f"{self.median_exposed_s * 1e3:.2f} ms, {self.median_exposed_share:.0%} of the time communication was under way "
-            "(median)",
+            textwrap.fill(
+                f"ddp_split overlap ({self.device}, {len(self.steps)} steps): exposed communication "
+                f"{self.median_exposed_s * 1e3:.2f} ms, {self.median_exposed_share:.0%} of the time communication "
+                "was under way (median)" + (f"; measured after the re-plan, {self.waited} steps later than asked"
+                                            if self.waited else ""),
+                TABLE_WIDTH, subsequent_indent="    ",
+            ),
             "  step  backward ms  comm ms  exposed ms  exposed  buckets ready before backward end",
         ]
         for s in self.steps:
@@ -140,12 +168,13 @@ class OverlapReport:
             )
         return "\n".join(lines)
 
-    def draw(self, path: str | Path) -> Path:
-        """A timeline PNG of the median step (needs matplotlib): backward as a band, each
-        bucket as a bar from launch to completion, a dot where it was ready."""
-        from .picture import draw_overlap
+    def draw(self, path: str | Path) -> Path | None:
+        """A timeline PNG of the median step: backward as a band, each bucket as a bar from
+        launch to completion, a dot where it was ready. Needs matplotlib (``pip install
+        'ddp-split-backend[plot]'``): without it, one warning naming the extra and ``None``."""
+        from .picture import draw_overlap, drawn
 
-        return draw_overlap(self, Path(path))
+        return drawn(lambda: draw_overlap(self, Path(path)))
 
 
 @dataclass
@@ -174,6 +203,8 @@ class OverlapWatch:
         self.hook, self.state = hook, state
         self.warmup, self.steps = warmup, steps
         self._forwards = 0
+        self._waited = 0
+        """Training forwards the window moved later while a re-plan was pending."""
         self._measured: list[_Step] = []
         self._current: _Step | None = None
         self._clock: Clock | None = None
@@ -187,7 +218,7 @@ class OverlapWatch:
     def done(self) -> bool:
         """The window has closed: every forward of it ran, and the next one began (or the
         watch was removed)."""
-        return self._forwards >= self.warmup + self.steps and self._current is None
+        return self._forwards >= self.warmup + self._waited + self.steps and self._current is None
 
     def remove(self) -> None:
         """Stop watching the forwards (the comm hook stays: DDP cannot unregister one; it then
@@ -200,8 +231,13 @@ class OverlapWatch:
         self._close_step()
         index = self._forwards
         self._forwards += 1
-        if self.warmup <= index < self.warmup + self.steps and module.training:
-            self._current = _Step(index)
+        start = self.warmup + self._waited
+        if not (start <= index < start + self.steps and module.training):
+            return
+        if not self._measured and self._waited < MOST_WAITED and replan_pending(module):
+            self._waited += 1  # measure the plan that stays, not the one being measured
+            return
+        self._current = _Step(index)
 
     def _on_output(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         step = self._current
@@ -238,9 +274,11 @@ class OverlapWatch:
         if self._current is not None and self._current.start is not None and self._current.buckets:
             self._measured.append(self._current)
         self._current = None
-        if self.done and not self._logged and log.isEnabledFor(logging.INFO):
+        if self.done and not self._logged:
             self._logged = True
-            log.info("%s", self.report().table())
+            report = self.report()
+            summary_log.info("%s", report.summary())
+            log.info("%s", report.table())
 
     def report(self) -> OverlapReport:
         """The steps measured so far (a step counts once the next forward began or the
@@ -256,7 +294,7 @@ class OverlapWatch:
             end = max(ready for _, ready, _, _ in rel)
             buckets = tuple(BucketTiming(b.bucket, b.nbytes, r - end, la - end, c - end) for b, r, la, c in rel)
             steps.append(StepOverlap(step.index, end, buckets))
-        return OverlapReport(tuple(steps), "cuda" if clock.cuda else "cpu")
+        return OverlapReport(tuple(steps), "cuda" if clock.cuda else "cpu", self._waited)
 
 
 def watch_overlap(
@@ -274,9 +312,13 @@ def watch_overlap(
     one). ``hook``/``state``: the comm hook you would have registered (default: DDP's
     allreduce averaged over ``state`` or the default group). Steps ``warmup`` to
     ``warmup + steps - 1`` (counting training forwards from 0) are measured; the first steps
-    compile and let DDP rebuild its buckets. ``watch.report()`` returns the
-    :class:`OverlapReport`; with ``TORCH_LOGS=ddp_split`` its table is logged once the window
-    closes. Results are unchanged: the wrapped hook's futures pass through.
+    compile and let DDP rebuild its buckets. While a ``min_piece_mb="auto"`` graph of this
+    DDP module is still measuring its own first steps, the window starts later, after its
+    re-plan, so that it measures the plan that stays (:attr:`OverlapReport.waited`).
+    ``watch.report()`` returns the :class:`OverlapReport`. When the window closes, its
+    one-line summary is logged (``ddp_split.summary``, shown by default) and, with
+    ``TORCH_LOGS=ddp_split``, its table. Results are unchanged: the wrapped hook's futures
+    pass through.
     """
     ddp = _torch.compiled_original(ddp) or ddp
     if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):

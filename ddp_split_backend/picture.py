@@ -3,17 +3,18 @@ and measured overlap (one step's buckets on a timeline around the end of backwar
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
+from .extras import MissingExtra, require
 from .plan import SplitPlan
 
 if TYPE_CHECKING:
     from .overlap import OverlapReport
 
-__all__ = ["draw_overlap", "draw_plans"]
+__all__ = ["draw_overlap", "draw_plans", "drawn"]
 
 _SPAN_COLORS = {
     "autocast": "#f4a261",
@@ -33,20 +34,28 @@ def _size(nbytes: int) -> str:
 
 
 def _pyplot():  # noqa: ANN202  (matplotlib is an optional extra)
-    import matplotlib
-
+    matplotlib = require("matplotlib", "drawing a picture")
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
     return plt
 
 
+def drawn(draw: Callable[[], Path]) -> Path | None:
+    """The file ``draw()`` wrote, or ``None`` and one warning naming the extra when matplotlib
+    is missing: a picture that cannot be drawn never stops a script before its teardown."""
+    try:
+        return draw()
+    except MissingExtra as error:
+        warnings.warn(str(error), stacklevel=3)
+        return None
+
+
 def draw_plans(plans: Sequence[SplitPlan], path: Path) -> Path:
     """Write a PNG: x = node position in the graph, bar height = bucket bytes (MiB); dashed
     lines are cuts, red triangles cuts that were moved, shaded bands global-state regions."""
-    from matplotlib.patches import Patch
-
     plt = _pyplot()
+    from matplotlib.patches import Patch
 
     rows = max(1, len(plans))
     fig, axes = plt.subplots(rows, 1, figsize=(11, 2.8 * rows), squeeze=False)

@@ -62,6 +62,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -89,6 +90,10 @@ class WholeReason(enum.Enum):
     """Why a graph with several buckets was compiled as one piece."""
 
     NO_BACKWARD = "grad is disabled throughout the graph (evaluation): no backward runs and nothing is sent"
+
+
+TABLE_WIDTH = 120
+"""Columns of :meth:`SplitPlan.table` (and of every other table ddp_split logs)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,8 +262,25 @@ class SplitPlan:
             per_piece[b.piece] = per_piece.get(b.piece, 0.0) + seconds * 1e3
         return per_piece
 
-    def table(self) -> str:
-        """The plan as a text table (what ``TORCH_LOGS=ddp_split`` prints)."""
+    def summary(self) -> str:
+        """The plan in a few words: pieces, buckets and why (the line a normal run logs)."""
+        pieces, buckets = len(self.pieces), len(self.buckets)
+        said = f"{_count(pieces, 'piece')} for {_count(buckets, 'DDP bucket')}"
+        if self.source != "ddp_split":
+            return f"{_count(pieces, 'piece')}, already cut by torch's DDPOptimizer"
+        if self.whole is not None:
+            return f"{said}: {self.whole.value}"
+        if buckets <= 1:
+            return said
+        if self.min_piece_bytes is not None:
+            return f"{said} (pieces of at least {self.min_piece_bytes / 2**20:.3g} MiB, min_piece_mb)"
+        if self.sizing is not None:
+            return f"{said} (grouped by predicted step time, min_piece_mb='auto')"
+        return f"{said} (one per bucket)"
+
+    def table(self, width: int = TABLE_WIDTH) -> str:
+        """The plan as a text table (what ``TORCH_LOGS=ddp_split`` prints), no line wider
+        than ``width``: a piece's parameter names are cut short with a count of the rest."""
         pieces = self.pieces
         grouped = len(pieces) != len(self.buckets)
         rows = [("piece", "buckets" if grouped else "bucket", "bytes", "nodes", "bwd ms", "parameters")]
@@ -266,7 +288,7 @@ class SplitPlan:
         for p in pieces:
             rows.append(
                 (str(p.piece), p.bucket_label, f"{p.nbytes:,}", str(p.node_count),
-                 f"{backward[p.piece]:.2f}" if backward else "-", ", ".join(p.params) or "-")
+                 f"{backward[p.piece]:.2f}" if backward else "-", p.params)
             )
         if not backward:
             rows = [r[:4] + r[5:] for r in rows]
@@ -277,24 +299,46 @@ class SplitPlan:
             grouping = f", {len(self.buckets)} buckets, min piece {self.min_piece_bytes:,} B"
         elif self.sizing is not None:
             grouping = f", {len(self.buckets)} buckets grouped by predicted cost (min_piece_mb='auto')"
-        lines = [
-            f"ddp_split plan {self.graph_name or ''} ({self.source}): {len(pieces)} pieces, "
-            f"{self.node_count} nodes, cap {self.caps.bytes:,} B, first cap {self.caps.first_bytes:,} B"
-            f"{grouping}"
+        notes = [
+            f"ddp_split plan {self.graph_name or ''} ({self.source}): {_count(len(pieces), 'piece')}, {self.node_count} nodes",
+            f"cap {self.caps.bytes:,} B, first cap {self.caps.first_bytes:,} B{grouping}",
         ]
-        for r in rows:
-            lines.append("  ".join(r[i].rjust(widths[i]) for i in range(columns)) + "  " + r[columns])
         if self.sizing is not None:
-            lines.append("  " + self.sizing.describe())
-        for b in self.buckets:
-            for a in b.adjustments:
-                lines.append(f"  piece {b.piece}: {a.describe()}")
+            notes.append(self.sizing.describe())
+        notes.extend(f"piece {b.piece}: {a.describe()}" for b in self.buckets for a in b.adjustments)
         if self.ignored_params:
-            lines.append("  ignored by DDP: " + ", ".join(self.ignored_params))
+            notes.append(f"ignored by DDP: {_names(self.ignored_params, width - 17)}")
         if self.whole is not None:
-            lines.append(f"  one piece: {self.whole.value}")
-        lines.extend(f"  note: {n}" for n in self.notes)
+            notes.append(f"one piece: {self.whole.value}")
+        notes.extend(f"note: {n}" for n in self.notes)
+        lines = [textwrap.fill(notes[0], width, subsequent_indent="    ")]
+        for r in rows:
+            front = "  ".join(r[i].rjust(widths[i]) for i in range(columns)) + "  "
+            names = r[columns] if isinstance(r[columns], str) else _names(r[columns], width - len(front))
+            lines.append(front + names)
+        lines.extend(textwrap.fill(n, width, initial_indent="  ", subsequent_indent="    ") for n in notes[1:])
         return "\n".join(lines)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def _names(names: Sequence[str], width: int) -> str:
+    """``a, b, c`` within ``width`` columns, else as many as fit and ``(+N more)``."""
+    if not names:
+        return "-"
+    text = ", ".join(names)
+    if len(text) <= width:
+        return text
+    shown: list[str] = []
+    for i, name in enumerate(names):
+        more = f", ... (+{len(names) - i - 1} more)" if i + 1 < len(names) else ""
+        if len(", ".join([*shown, name]) + more) > width and shown:
+            break
+        shown.append(name)
+    rest = len(names) - len(shown)
+    return ", ".join(shown) + (f", ... (+{rest} more)" if rest else "")
 
 
 @dataclass(frozen=True, slots=True)

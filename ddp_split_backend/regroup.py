@@ -63,7 +63,9 @@ from . import _torch
 from .measure import StepProbe, StepSample, copy_back_seconds
 from .plan import TOLERANCE, CostInputs
 
-__all__ = ["Declined", "MEASURED_STEPS", "STEPS_BEFORE_REPLAN", "Measurement", "RegroupingCallable"]
+__all__ = [
+    "Declined", "MEASURED_STEPS", "STEPS_BEFORE_REPLAN", "Measurement", "RegroupingCallable", "replan_pending",
+]
 
 MEASURED_STEPS = 4
 """Training steps timed before re-planning (after the step that compiles backward)."""
@@ -181,7 +183,7 @@ class _Window:
         return [p for p in (ref() for ref in self.params) if p is not None]
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, weakref_slot=True, eq=False)
 class _Current:
     """What a :class:`RegroupingCallable` runs now. Held in one object because Dynamo wraps
     the callable a backend returns with ``functools.wraps``, which copies its ``__dict__``:
@@ -190,6 +192,24 @@ class _Current:
 
     fn: Callable[..., Any]
     window: _Window | None
+
+
+_WINDOWS: weakref.WeakSet[_Current] = weakref.WeakSet()
+"""Every live measured graph's state (weakly: a freed graph drops out), for :func:`replan_pending`."""
+
+
+def replan_pending(ddp: torch.nn.Module) -> bool:
+    """Whether a graph of ``ddp``'s model is still to be re-planned: measured on ``ddp``, or
+    not bound yet and using parameters of ``ddp``'s module (``watch_overlap`` waits for it:
+    it measures the plan that stays)."""
+    for current in list(_WINDOWS):
+        window = current.window
+        if window is None:
+            continue
+        bound = window.ddp() if window.ddp is not None else None
+        if bound is ddp or (bound is None and window.params_of(ddp)):
+            return True
+    return False
 
 
 class RegroupingCallable:
@@ -209,6 +229,7 @@ class RegroupingCallable:
         replan: Callable[[Measurement | Declined, torch.nn.Module | None], Callable[..., Any] | None],
     ) -> None:
         self._current = _Current(fn, _Window(params_of, grad_bytes, replan))
+        _WINDOWS.add(self._current)
         self._eager = eager
         self._copies_back = copies_back
 

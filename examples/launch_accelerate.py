@@ -15,6 +15,11 @@ accelerate itself does with a backend it knows (``prepare_model`` wraps in DDP, 
 
 from __future__ import annotations
 
+from ddp_split_backend.extras import missing
+
+if problem := missing("accelerate", "examples/launch_accelerate.py"):
+    raise SystemExit(problem)  # one line naming the extra to install
+
 import argparse
 import contextlib
 

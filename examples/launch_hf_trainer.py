@@ -16,6 +16,11 @@ accelerate uses too). Nothing is downloaded; no checkpoint is written.
 
 from __future__ import annotations
 
+from ddp_split_backend.extras import missing
+
+if problem := missing("transformers", "examples/launch_hf_trainer.py"):
+    raise SystemExit(problem)  # one line naming the extra to install
+
 import argparse
 import contextlib
 from pathlib import Path

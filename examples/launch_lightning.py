@@ -13,6 +13,11 @@ module again with the same arguments: ``torch.compile(DDP(model), backend="ddp_s
 
 from __future__ import annotations
 
+from ddp_split_backend.extras import missing
+
+if problem := missing("lightning", "examples/launch_lightning.py"):
+    raise SystemExit(problem)  # one line naming the extra to install
+
 import argparse
 import contextlib
 import os

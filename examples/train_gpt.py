@@ -161,9 +161,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "--dropout 0 with --compare for a parameter-exact comparison")
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--watch-overlap", metavar="PNG", default=None,
-                   help="measure ddp_split's overlap (ddp_split_backend.watch_overlap) over steps 3-12; "
-                        "rank 0 prints the table and draws the timeline to PNG")
+    p.add_argument("--overlap-png", metavar="PNG", default=None,
+                   help="also draw the overlap measured over the last 10 steps (needs matplotlib: "
+                        "pip install 'ddp-split-backend[plot]') and print its per-bucket table")
     p.add_argument("--save-params", metavar="PATH", default=None,
                    help="every rank writes its final parameters to PATH.rank<global rank>")
     return p.parse_args(argv)
@@ -233,8 +233,11 @@ def main(argv: list[str] | None = None) -> None:
 
     backend = DDPSplitBackend(SplitConfig(inner=args.inner))
     split_ddp = DDP(copy.deepcopy(base), bucket_cap_mb=args.bucket_cap_mb)
-    watch = ddp_split_backend.watch_overlap(split_ddp, warmup=3 * args.accum, steps=10 * args.accum) \
-        if args.watch_overlap else None
+    # What the backend is for: how much of the last steps' communication backward hid.
+    measured = min(10, args.steps)
+    watch = ddp_split_backend.watch_overlap(
+        split_ddp, warmup=(args.steps - measured) * args.accum, steps=measured * args.accum
+    )
     split_model = torch.compile(split_ddp, backend=backend)
     trainers = [Trainer("ddp_split", split_model, torch.optim.AdamW(split_model.parameters(), lr=args.lr), [])]
     if args.compare:
@@ -248,7 +251,6 @@ def main(argv: list[str] | None = None) -> None:
     tokens_per_step = args.batch_size * cfg.block * args.accum * world
     first_loss = last_loss = math.nan
     wall = time.perf_counter()
-    printed = 0  # plans printed so far
     for step in range(args.steps):
         batches = [tuple(t.to(device) for t in data.batch(generator, args.batch_size, cfg.block))
                    for _ in range(args.accum)]
@@ -262,10 +264,6 @@ def main(argv: list[str] | None = None) -> None:
                 last_loss = loss
                 if step == 0:
                     first_loss = loss
-        if rank == 0:  # each plan once (and min_piece_mb="auto"'s re-plan, if asked for)
-            for record in list(backend.records)[printed:]:
-                print(record.plan.table(), flush=True)
-            printed = len(backend.records)
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             seconds = trainers[0].step_times[-1]
             print(f"step {step:4d}  loss {last_loss:.4f}  {tokens_per_step / seconds:9.0f} tok/s  "
@@ -274,10 +272,16 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0:
         print(f"loss: start {first_loss:.4f} -> end {last_loss:.4f} "
               f"(uniform would be {math.log(data.vocab):.4f}); wall {time.perf_counter() - wall:.1f} s")
-    if watch is not None and rank == 0:
-        report = watch.report()
-        print(report.table())
-        print(f"overlap timeline: {report.draw(args.watch_overlap)}")
+    watch.remove()  # closes the window: ddp_split logs its one-line summary (rank 0)
+    if rank == 0:
+        print("(one compiled graph would hide none of it: all its gradients become ready together, "
+              "when its single backward ends)")
+        if args.overlap_png:
+            report = watch.report()
+            print(report.table())
+            drawn = report.draw(args.overlap_png)
+            if drawn is not None:
+                print(f"overlap timeline: {drawn}")
     if args.compare:
         ours, theirs = trainers[0], trainers[1]
         diff = max((a - b).abs().max().item() for a, b in zip(ours.model.parameters(), theirs.model.parameters()))

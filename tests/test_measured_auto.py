@@ -8,6 +8,8 @@ steps after the re-plan can be checked for overlap.
 from __future__ import annotations
 
 import copy
+import logging
+import re
 from typing import Any
 
 import pytest
@@ -290,3 +292,26 @@ def test_graph_breaks_over_a_slow_link_are_grouped_by_the_static_estimate(link: 
     assert len(replanned) == 2
     for record in replanned:
         assert "not measured" in record.plan.sizing.link and len(record.plan.pieces) > 1, record.plan.table()
+
+
+def test_the_replan_says_when_it_starts_and_ends_and_watch_overlap_measures_after_it(
+    link: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    link.bandwidth = 200 * MIB  # slow enough that the re-plan cuts the graph and recompiles
+    eager, split, compiled = _pair(send, link)
+    watch = watch_overlap(split, hook=send, state=link, warmup=1, steps=3)  # asks for steps 1-3
+    with caplog.at_level(logging.INFO, logger="ddp_split.summary"):
+        _train_both(eager, split, compiled, STEPS_BEFORE_REPLAN + 5)
+    watch.remove()
+    lines = [r.getMessage() for r in caplog.records if r.name == "ddp_split.summary"]
+    assert all("\n" not in line for line in lines), lines
+    first, start, end, overlap = lines
+    assert f"re-planned once its first {STEPS_BEFORE_REPLAN} training steps are measured" in first
+    assert re.search(r"re-planned: compiling \d+ pieces for 8 DDP buckets \(training waits for it\)$", start)
+    assert re.search(r"re-planned: \d+ pieces for 8 DDP buckets \(grouped by predicted step time", end)
+    record = ddp_split.records[-1]
+    assert f"compiled in {sum(record.times.seconds.values()):.1f} s" in end  # the record has the same seconds
+    # The window asked for steps 1-3 measured the plan that stays.
+    report = watch.report()
+    assert report.waited > 0 and report.steps[0].step >= STEPS_BEFORE_REPLAN, report.table()
+    assert "after waiting" in overlap and all(s.ready_before_end >= 1 for s in report.steps)

@@ -141,8 +141,12 @@ def test_table_is_logged_once_the_window_closes(caplog: pytest.LogCaptureFixture
     watch = watch_overlap(ddp, warmup=1, steps=2)  # DDP's own allreduce (a world of one)
     with caplog.at_level(logging.INFO, logger="ddp_split"):
         _train(ddp, 4)
-    tables = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ddp_split overlap")]
+    summaries = [r.getMessage() for r in caplog.records if r.name == "ddp_split.summary"]
+    tables = [r.getMessage() for r in caplog.records if r.name == "ddp_split"]
     assert len(tables) == 1 and "exposed communication" in tables[0] and "bucket" in tables[0]
+    assert len(summaries) == 1 and "\n" not in summaries[0], summaries  # one line, shown by default
+    assert "of the communication was hidden behind backward" in summaries[0]
+    assert max(len(line) for line in tables[0].splitlines()) <= 120
     report = watch.report()
     assert isinstance(report, OverlapReport) and [s.step for s in report.steps] == [1, 2]
     pytest.importorskip("matplotlib")
