@@ -34,7 +34,7 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -m 'not slow and not multiprocess and not fuzz'
 
 # The benchmarks of benchmarks/RESULTS.md, each printing its tables and writing
-# benchmarks/results/*.json (about 40 minutes on 2 quiet cores).
+# benchmarks/results/*.json (about 50 minutes on 2 quiet cores).
 $(BENCH_STAMP): $(STAMP)
 	$(PY) -m pip install -q -c constraints.txt -e '.[bench]'
 	touch $(BENCH_STAMP)
@@ -43,6 +43,8 @@ bench: $(BENCH_STAMP)
 	$(PY) benchmarks/step_overhead.py
 	$(PY) benchmarks/replan_cost.py --inner inductor
 	$(PY) benchmarks/warmup.py
+	$(PY) benchmarks/warmup.py --models transformer bn_cnn --modes ddp_split ddp_split_auto one_graph \
+		--slow-link-ms 2 --out benchmarks/results/warmup_user_models.json
 	$(PY) benchmarks/profile_step.py
 	$(PY) benchmarks/compile_time.py --out benchmarks/results/compile_time_reuse.json
 	$(PY) benchmarks/compile_time.py --no-reuse --modes ddp_optimizer ddp_split --repeats 1 \
