@@ -61,12 +61,17 @@ class SplitConfigError(ValueError, _torch.ShortenTraceback):
 
     def remove_dynamo_frames(self) -> SplitConfigError:
         """What Dynamo raises: this error with its own message, its traceback from
-        :attr:`first_useful_frame` on (all of it when that frame is not in it)."""
+        :attr:`first_useful_frame` on (all of it when that frame is not in it, or with
+        ``TORCHDYNAMO_VERBOSE=1``)."""
         self.args = (self.message,)
-        tb = self.__traceback__
-        while tb is not None and tb.tb_frame is not self.first_useful_frame:
+        frame, self.first_useful_frame = self.first_useful_frame, None
+        tb = None if _torch.dynamo_config.verbose else self.__traceback__
+        while tb is not None and tb.tb_frame is not frame:
             tb = tb.tb_next
         return self.with_traceback(tb) if tb is not None else self
+
+    def __reduce__(self) -> tuple[type[SplitConfigError], tuple[str]]:
+        return type(self), (self.message,)  # picklable (a frame is not), e.g. across processes
 
 
 @dataclass(frozen=True, slots=True)

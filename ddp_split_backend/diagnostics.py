@@ -68,7 +68,10 @@ def _rank() -> int:
     """This process's rank in the default group (torchrun's ``RANK`` before it exists)."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    return int(os.environ.get("RANK", "0") or 0)
+    try:
+        return int(os.environ.get("RANK", "0") or 0)
+    except ValueError:
+        return 0
 
 
 def show_summaries() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import logging
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -161,6 +162,7 @@ def test_an_option_error_reaches_the_user_as_itself() -> None:
     assert "BackendCompilerFailed" not in shown and "please report" not in shown
     frames = traceback.extract_tb(error.__traceback__)
     assert len(frames) <= 8 and frames[-1].filename.endswith("backend.py"), shown
+    assert pickle.loads(pickle.dumps(error)).args == error.args  # it can cross process boundaries
     torch._dynamo.reset()
     # The same error, and nothing else, when the config is built directly.
     with pytest.raises(SplitConfigError, match="min_piece_mb"):
