@@ -410,7 +410,7 @@ class DDPSplitBackend:
         compile's seconds); wrap the callables for run time."""
         record = CompileRecord(plan, compiled.records, times)
         self.records.append(record)
-        log_compiled(plan, split, record.compiled_by, times, done)
+        log_compiled(plan, split, record.pieces, times, done)
         if split is not None:
             return StitchedCallable(split, compiled.callables, record.compiled_by)
         (fn,) = compiled.callables

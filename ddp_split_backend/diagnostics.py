@@ -28,6 +28,7 @@ from typing import Any
 import torch.distributed as dist
 
 from . import _torch
+from .compile import Outcome, PieceRecord
 from .plan import TABLE_WIDTH, SplitPlan
 from .split import SplitGraph
 from .timing import StageTimes
@@ -85,22 +86,23 @@ def show_summaries() -> None:
     summary_log.addHandler(handler)
 
 
-def summary_line(plan: SplitPlan, compiled_by: Sequence[str], seconds: float, done: str | None = None) -> str:
+def summary_line(plan: SplitPlan, pieces: Sequence[PieceRecord], seconds: float, done: str | None = None) -> str:
     """``ddp_split: graph 0 [0/0]: 7 pieces for 7 DDP buckets (one per bucket); compiled in
     3.1 s (4 reused)``; ``done`` replaces the compile's part."""
-    reused = sum("same as piece" in c for c in compiled_by)
-    eager = sum(c.startswith("eager") for c in compiled_by)
+    outcomes = collections.Counter(r.outcome for r in pieces)
     extra = ", ".join(part for part in (
-        f"{reused} reused" if reused else "", f"{eager} eager after the inner backend failed" if eager else ""
+        f"{outcomes[Outcome.SHARED]} reused" if outcomes[Outcome.SHARED] else "",
+        f"{outcomes[Outcome.EAGER_FALLBACK]} eager after the inner backend failed"
+        if outcomes[Outcome.EAGER_FALLBACK] else "",
     ) if part)
     done = done or f"compiled in {seconds:.1f} s" + (f" ({extra})" if extra else "")
     return f"ddp_split: {plan.graph_name}: {plan.summary()}; {done}"
 
 
-def _compiled_by(compiled_by: Sequence[str]) -> str:
+def _compiled_by(pieces: Sequence[PieceRecord]) -> str:
     """``inductor x 5, same as an earlier piece x 43`` (one entry per kind of compile)."""
     kinds = collections.Counter(
-        "same as an earlier piece" if "same as piece" in c else c for c in compiled_by
+        "same as an earlier piece" if r.outcome is Outcome.SHARED else r.describe() for r in pieces
     )
     return ", ".join(f"{kind} x {n}" if n > 1 else kind for kind, n in kinds.items())
 
@@ -123,14 +125,15 @@ def plan_to_dict(plan: SplitPlan) -> dict[str, Any]:
 def log_compiled(
     plan: SplitPlan,
     split: SplitGraph | None,
-    compiled_by: Sequence[str],
+    pieces: Sequence[PieceRecord],
     times: StageTimes,
     done: str | None = None,
 ) -> None:
     """Log and trace what the backend did with one graph (``done``: see :func:`summary_line`)."""
-    summary_log.info("%s", summary_line(plan, compiled_by, sum(times.seconds.values()), done))
+    summary_log.info("%s", summary_line(plan, pieces, sum(times.seconds.values()), done))
+    compiled_by = [r.describe() for r in pieces]
     if log.isEnabledFor(logging.INFO):
-        details = (f"compiled by: {_compiled_by(compiled_by)}", f"compile {times.describe()}")
+        details = (f"compiled by: {_compiled_by(pieces)}", f"compile {times.describe()}")
         wrapped = (textwrap.fill(d, TABLE_WIDTH, initial_indent="  ", subsequent_indent="    ") for d in details)
         log.info("%s\n%s", plan.table(), "\n".join(wrapped))
     _torch.trace_structured(
