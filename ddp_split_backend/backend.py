@@ -316,11 +316,8 @@ class DDPSplitBackend:
         plan = planned.plan
         if len(plan.pieces) == 1:
             compiled = compile_whole(gm, example_inputs, inner, times)
-            measuring = (
-                f"compiled in {sum(times.seconds.values()):.1f} s; re-planned once its first "
-                f"{STEPS_BEFORE_REPLAN} training steps are measured" if planned.measures_link else None
-            )
-            fn = self._finish(plan, None, gm, compiled, times, measuring)
+            measuring = f"re-planned once its first {STEPS_BEFORE_REPLAN} training steps are measured"
+            fn = self._finish(plan, None, gm, compiled, times, then=measuring if planned.measures_link else "")
             if not planned.measures_link:
                 return fn
             deferred = _Deferred(
@@ -363,7 +360,7 @@ class DDPSplitBackend:
             if leader is not None:
                 plan = plan.regrouped(grouping, f"grouping of rank {leader}, which decides for every rank")
         if len(plan.pieces) == 1:
-            self._finish(plan, None, deferred.gm, deferred.compiled, times, "kept as compiled, nothing recompiled")
+            self._finish(plan, None, deferred.gm, deferred.compiled, times, recompiled=False)
             return None
         with times.measure("split"):
             split = split_graph(deferred.gm, planned.layout, plan.cuts)
@@ -404,13 +401,15 @@ class DDPSplitBackend:
         gm: fx.GraphModule,
         compiled: CompiledPieces,
         times: StageTimes,
-        done: str | None = None,
+        *,
+        recompiled: bool = True,
+        then: str = "",
     ) -> Callable[..., Any]:
-        """Record and log what was done (``done``: what the log line says in place of the
-        compile's seconds); wrap the callables for run time."""
+        """Record and log what was done (``recompiled``, ``then``: see
+        :func:`diagnostics.summary_line`); wrap the callables for run time."""
         record = CompileRecord(plan, compiled.records, times)
         self.records.append(record)
-        log_compiled(plan, split, record.pieces, times, done)
+        log_compiled(plan, split, record.pieces, times, recompiled=recompiled, then=then)
         if split is not None:
             return StitchedCallable(split, compiled.callables, record.compiled_by)
         (fn,) = compiled.callables

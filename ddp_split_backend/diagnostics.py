@@ -86,16 +86,21 @@ def show_summaries() -> None:
     summary_log.addHandler(handler)
 
 
-def summary_line(plan: SplitPlan, pieces: Sequence[PieceRecord], seconds: float, done: str | None = None) -> str:
+def summary_line(
+    plan: SplitPlan, pieces: Sequence[PieceRecord], seconds: float, *, recompiled: bool = True, then: str = ""
+) -> str:
     """``ddp_split: graph 0 [0/0]: 7 pieces for 7 DDP buckets (one per bucket); compiled in
-    3.1 s (4 reused)``; ``done`` replaces the compile's part."""
+    3.1 s (4 reused)``, then ``; {then}``. ``recompiled=False``: a re-plan that kept the
+    pieces already compiled."""
+    if not recompiled:
+        return f"ddp_split: {plan.graph_name}: {plan.summary()}; kept as compiled, nothing recompiled"
     outcomes = collections.Counter(r.outcome for r in pieces)
     extra = ", ".join(part for part in (
         f"{outcomes[Outcome.SHARED]} reused" if outcomes[Outcome.SHARED] else "",
         f"{outcomes[Outcome.EAGER_FALLBACK]} eager after the inner backend failed"
         if outcomes[Outcome.EAGER_FALLBACK] else "",
     ) if part)
-    done = done or f"compiled in {seconds:.1f} s" + (f" ({extra})" if extra else "")
+    done = f"compiled in {seconds:.1f} s" + (f" ({extra})" if extra else "") + (f"; {then}" if then else "")
     return f"ddp_split: {plan.graph_name}: {plan.summary()}; {done}"
 
 
@@ -127,11 +132,13 @@ def log_compiled(
     split: SplitGraph | None,
     pieces: Sequence[PieceRecord],
     times: StageTimes,
-    done: str | None = None,
+    *,
+    recompiled: bool = True,
+    then: str = "",
 ) -> None:
-    """Log and trace what the backend did with one graph (``done``: see :func:`summary_line`)."""
-    summary_log.info("%s", summary_line(plan, pieces, sum(times.seconds.values()), done))
-    compiled_by = [r.describe() for r in pieces]
+    """Log and trace what the backend did with one graph (``recompiled``, ``then``: see
+    :func:`summary_line`)."""
+    summary_log.info("%s", summary_line(plan, pieces, times.total, recompiled=recompiled, then=then))
     if log.isEnabledFor(logging.INFO):
         details = (f"compiled by: {_compiled_by(pieces)}", f"compile {times.describe()}")
         wrapped = (textwrap.fill(d, TABLE_WIDTH, initial_indent="  ", subsequent_indent="    ") for d in details)
@@ -140,7 +147,7 @@ def log_compiled(
         "artifact",
         metadata_fn=lambda: {"name": "ddp_split_plan", "encoding": "json"},
         payload_fn=lambda: json.dumps(
-            {**plan_to_dict(plan), "compiled_by": list(compiled_by), "compile_seconds": times.seconds}
+            {**plan_to_dict(plan), "compiled_by": [r.describe() for r in pieces], "compile_seconds": times.seconds}
         ),
     )
     if split is None:

@@ -278,7 +278,8 @@ class OverlapWatch:
             self._logged = True
             report = self.report()
             summary_log.info("%s", report.summary())
-            log.info("%s", report.table())
+            if log.isEnabledFor(logging.INFO):
+                log.info("%s", report.table())
 
     def report(self) -> OverlapReport:
         """The steps measured so far (a step counts once the next forward began or the

@@ -35,6 +35,10 @@ class StageTimes:
             self.seconds[stage] += time.perf_counter() - start
 
     @property
+    def total(self) -> float:
+        return sum(self.seconds.values())
+
+    @property
     def ours(self) -> float:
         """ddp_split's own share: every stage but the inner backend's compiles."""
         return sum(s for stage, s in self.seconds.items() if stage != "inner")
