@@ -264,10 +264,10 @@ class SplitPlan:
 
     def summary(self) -> str:
         """The plan in a few words: pieces, buckets and why (the line a normal run logs)."""
-        pieces, buckets = len(self.pieces), len(self.buckets)
-        said = f"{_count(pieces, 'piece')} for {_count(buckets, 'DDP bucket')}"
+        pieces, buckets = _count(len(self.pieces), "piece"), len(self.buckets)
         if self.source != "ddp_split":
-            return f"{_count(pieces, 'piece')}, already cut by torch's DDPOptimizer"
+            return f"{pieces}, already cut by torch's DDPOptimizer"
+        said = f"{pieces} for {_count(buckets, 'DDP bucket')}"
         if self.whole is not None:
             return f"{said}: {self.whole.value}"
         if buckets <= 1:
@@ -283,7 +283,7 @@ class SplitPlan:
         than ``width``: a piece's parameter names are cut short with a count of the rest."""
         pieces = self.pieces
         grouped = len(pieces) != len(self.buckets)
-        rows = [("piece", "buckets" if grouped else "bucket", "bytes", "nodes", "bwd ms", "parameters")]
+        rows = [("piece", "buckets" if grouped else "bucket", "bytes", "nodes", "bwd ms", ("parameters",))]
         backward = self._piece_backward_ms()
         for p in pieces:
             rows.append(
@@ -299,10 +299,9 @@ class SplitPlan:
             grouping = f", {len(self.buckets)} buckets, min piece {self.min_piece_bytes:,} B"
         elif self.sizing is not None:
             grouping = f", {len(self.buckets)} buckets grouped by predicted cost (min_piece_mb='auto')"
-        notes = [
-            f"ddp_split plan {self.graph_name or ''} ({self.source}): {_count(len(pieces), 'piece')}, {self.node_count} nodes",
-            f"cap {self.caps.bytes:,} B, first cap {self.caps.first_bytes:,} B{grouping}",
-        ]
+        header = (f"ddp_split plan {self.graph_name or ''} ({self.source}): {_count(len(pieces), 'piece')}, "
+                  f"{self.node_count} nodes")
+        notes = [f"cap {self.caps.bytes:,} B, first cap {self.caps.first_bytes:,} B{grouping}"]
         if self.sizing is not None:
             notes.append(self.sizing.describe())
         notes.extend(f"piece {b.piece}: {a.describe()}" for b in self.buckets for a in b.adjustments)
@@ -311,12 +310,11 @@ class SplitPlan:
         if self.whole is not None:
             notes.append(f"one piece: {self.whole.value}")
         notes.extend(f"note: {n}" for n in self.notes)
-        lines = [textwrap.fill(notes[0], width, subsequent_indent="    ")]
+        lines = [textwrap.fill(header, width, subsequent_indent="    ")]
         for r in rows:
             front = "  ".join(r[i].rjust(widths[i]) for i in range(columns)) + "  "
-            names = r[columns] if isinstance(r[columns], str) else _names(r[columns], width - len(front))
-            lines.append(front + names)
-        lines.extend(textwrap.fill(n, width, initial_indent="  ", subsequent_indent="    ") for n in notes[1:])
+            lines.append(front + _names(r[columns], width - len(front)))
+        lines.extend(textwrap.fill(n, width, initial_indent="  ", subsequent_indent="    ") for n in notes)
         return "\n".join(lines)
 
 
