@@ -35,7 +35,7 @@ from .guards import preserve_global_state, track_state_calls
 from .inner import inner_compile, inductor_patches
 from .layout import GraphLayout, layout_graph
 from .params import ParamTable, find_params
-from .plan import BACKWARD_SHARE, BucketPlan, CostInputs, SplitPlan, plan_buckets
+from .plan import BACKWARD_SHARE, PAYBACK_STEPS, BucketPlan, CostInputs, Payback, SplitPlan, plan_buckets
 from .regroup import STEPS_BEFORE_REPLAN, Declined, Measurement, RegroupingCallable
 from .runtime import GuardedCallable, StitchedCallable
 from .split import SplitGraph, split_graph
@@ -123,7 +123,7 @@ class _Planned:
     ddp_module: torch.nn.Module | None
     costs: CostInputs | None
     measures_link: bool
-    """Compiled as one piece until the first steps were measured (Note [Measuring the link])."""
+    """Compiled one piece per bucket until the first steps were measured (Note [Measuring the link])."""
 
 
 def _plan_graph(
@@ -153,6 +153,11 @@ def _plan_graph(
         layout, params, caps, graph_name=graph_name, min_piece_bytes=config.min_piece_bytes, costs=costs
     )
     measures = measures and plan.whole is None and len(plan.buckets) > 1
+    if measures:  # Note [Measuring the link]: compiled as the default compiles it until measured
+        plan = dataclasses.replace(
+            plan.regrouped(range(len(plan.buckets)), f"measured in its first {STEPS_BEFORE_REPLAN} training steps"),
+            sizing=None,
+        )
     return _Planned(plan, layout, params, caps, ddp_module, costs, measures)
 
 
@@ -184,8 +189,8 @@ def _cost_inputs(
     """What ``min_piece_mb="auto"`` groups by (Note [Piece cost model] in cost.py).
     ``nothing_to_send``: compiled for a run without DDP (``plan_split`` plans as if under it)."""
     device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
-    if measures:  # one piece until measured: the grouping for a link that costs nothing
-        link, source = math.inf, f"not measured yet: one piece for the first {STEPS_BEFORE_REPLAN} training steps"
+    if measures:  # the first grouping's sizing is replaced by one piece per bucket until measured
+        link, source = math.inf, "not measured yet"
     elif nothing_to_send and config.link_gbps is None:
         link, source = math.inf, "no DDP module: nothing to send"
     else:
@@ -211,8 +216,9 @@ class _Deferred:
     inner: InnerCompile
     context: Any
     """Dynamo's tracing context of the frame (its fake mode and guards), or ``None``."""
+    split: SplitGraph
     compiled: CompiledPieces
-    """The one piece, as first compiled."""
+    """The pieces, one per bucket, as first compiled."""
 
 
 def _frame_fakes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[Any]:
@@ -227,25 +233,68 @@ def _frame_fakes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[Any]
     return fakes
 
 
-def _graph_params(names: frozenset[str], ddp: torch.nn.Module) -> list[torch.Tensor]:
-    """The parameters of ``ddp``'s module that the graph uses (by name)."""
+def _bucket_params(buckets: Sequence[frozenset[str]], ddp: torch.nn.Module) -> list[list[torch.Tensor]]:
+    """The parameters of ``ddp``'s module in each of the graph's buckets (by name)."""
     inner = getattr(ddp, "module", ddp)
-    return [p for name, p in inner.named_parameters() if _user_fqn(name) in names]
+    named = [(_user_fqn(name), p) for name, p in inner.named_parameters()]
+    return [[p for name, p in named if name in bucket] for bucket in buckets]
 
 
 def _measuring(
     fn: Callable[..., Any], ddp: torch.nn.Module | None, deferred: _Deferred, replan: Callable[..., Any]
 ) -> RegroupingCallable:
-    """``fn`` (the graph as one piece) wrapped to measure its first steps and re-plan."""
+    """``fn`` (the graph one piece per bucket) wrapped to measure its first steps and re-plan."""
     assert ddp is not None  # only graphs under DDP are measured
-    names = frozenset(use.name for use in deferred.planned.params.params)
-    grad_bytes = sum(use.nbytes for use in deferred.planned.params.params)
+    buckets = deferred.planned.plan.buckets
     copies_back = not getattr(ddp, "gradient_as_bucket_view", False)
     eager = GuardedCallable(track_state_calls(copy_module(deferred.gm)), "eager (while DDP learns its bucket order)")
     return RegroupingCallable(
-        fn, eager=eager, params_of=functools.partial(_graph_params, names), grad_bytes=grad_bytes,
-        copies_back=copies_back, replan=replan,
+        fn, eager=eager, buckets_of=functools.partial(_bucket_params, tuple(frozenset(b.params) for b in buckets)),
+        bucket_bytes=tuple(b.nbytes for b in buckets), copies_back=copies_back, replan=replan,
     )
+
+
+_BACKWARD_TOO = 2.0
+"""The inner backend's seconds at the first compile time forward only (AOTAutograd compiles
+backward at the first backward); a re-plan compiles both, taken as about as long again."""
+
+
+def _recompile_s(deferred: _Deferred, plan: SplitPlan) -> float:
+    """The estimated seconds of compiling ``plan``'s pieces: the first compile's lowest
+    seconds per node of a piece (the first piece of a process also pays one-time costs),
+    for the nodes of each distinct new piece (a piece whose buckets' first pieces were
+    compiled alike as another's is taken to be compiled once, as reuse does)."""
+    first, records = deferred.planned.plan, deferred.compiled.records
+    rates = [
+        r.seconds / p.node_count
+        for p, r in zip(first.pieces, records, strict=True)
+        if r.outcome is Outcome.COMPILED and p.node_count
+    ]
+    if not rates:
+        return 0.0
+    alike = [r.shared_with if r.outcome is Outcome.SHARED and r.shared_with is not None else r.piece for r in records]
+    groups: dict[int, list[int]] = {}
+    for index, bucket in enumerate(plan.buckets):
+        groups.setdefault(bucket.piece, []).append(index)
+    distinct = {tuple(alike[i] for i in held): held for held in groups.values()}
+    nodes = sum(first.buckets[i].node_count for held in distinct.values() for i in held)
+    return _BACKWARD_TOO * min(rates) * nodes
+
+
+def _paid_back(plan: SplitPlan, deferred: _Deferred) -> SplitPlan:
+    """``plan``, or one piece per bucket (as compiled) when ``plan``'s predicted saving per
+    step would not pay for its compile within :data:`PAYBACK_STEPS` steps."""
+    count = len(plan.buckets)
+    if plan.sizing is None or len(plan.pieces) == count:
+        return plan
+    saving = plan.sizing.one_per_bucket_s - plan.sizing.predicted_s
+    compile_s = _recompile_s(deferred, plan)
+    if saving * PAYBACK_STEPS >= compile_s:
+        return plan
+    payback = Payback(len(plan.pieces), max(0.0, saving), compile_s)
+    sizing = dataclasses.replace(plan.sizing, predicted_s=plan.sizing.one_per_bucket_s)
+    buckets = tuple(dataclasses.replace(b, piece=i) for i, b in enumerate(plan.buckets))
+    return dataclasses.replace(plan, buckets=buckets, sizing=sizing, payback=payback)
 
 
 def _ddp_optimizer_piece_plan(gm: fx.GraphModule, config: SplitConfig, graph_name: str) -> SplitPlan:
@@ -315,20 +364,19 @@ class DDPSplitBackend:
             planned = _plan_graph(gm, example_inputs, config, None, graph_name)
         plan = planned.plan
         if len(plan.pieces) == 1:
-            compiled = compile_whole(gm, example_inputs, inner, times)
-            measuring = f"re-planned once its first {STEPS_BEFORE_REPLAN} training steps are measured"
-            fn = self._finish(plan, None, gm, compiled, times, then=measuring if planned.measures_link else "")
-            if not planned.measures_link:
-                return fn
-            deferred = _Deferred(
-                gm, _frame_fakes(gm, example_inputs), dataclasses.replace(planned, ddp_module=None), config, inner,
-                _torch.TracingContext.try_get(), compiled,
-            )
-            return _measuring(fn, planned.ddp_module, deferred, functools.partial(self._replan, deferred))
+            return self._finish(plan, None, gm, compile_whole(gm, example_inputs, inner, times), times)
         with times.measure("split"):
             split = split_graph(gm, planned.layout, plan.cuts)
         compiled = compile_pieces(split, example_inputs, inner, times, reuse=config.reuse)
-        return self._finish(plan, split, gm, compiled, times)
+        if not planned.measures_link:
+            return self._finish(plan, split, gm, compiled, times)
+        measuring = f"re-planned once its first {STEPS_BEFORE_REPLAN} training steps are measured"
+        fn = self._finish(plan, split, gm, compiled, times, then=measuring)
+        deferred = _Deferred(
+            gm, _frame_fakes(gm, example_inputs), dataclasses.replace(planned, ddp_module=None), config, inner,
+            _torch.TracingContext.try_get(), split, compiled,
+        )
+        return _measuring(fn, planned.ddp_module, deferred, functools.partial(self._replan, deferred))
 
     def _replan(
         self, deferred: _Deferred, measured: Measurement | Declined, ddp: torch.nn.Module | None
@@ -336,7 +384,7 @@ class DDPSplitBackend:
         """Group the buckets by what the first steps measured (Note [Measuring the link] in
         regroup.py), or by the static estimate when they could not be measured, as the first
         rank of ``ddp``'s group did (Note [One plan for every rank] in agree.py): the new
-        pieces' callable, or ``None`` when one piece stays best."""
+        pieces' callable, or ``None`` when the pieces as compiled (one per bucket) stay."""
         planned, config = deferred.planned, deferred.config
         assert planned.costs is not None  # measured graphs are sized by cost
         times = StageTimes()
@@ -351,16 +399,18 @@ class DDPSplitBackend:
                     link_source=f"not measured ({measured.value}); assumed as long as each bucket's backward",
                 )
             else:
-                costs = measured.cost_inputs(planned.costs.node_backward_s, planned.costs.fixed_s, BACKWARD_SHARE)
+                spans = [(b.start, b.stop) for b in planned.plan.buckets]
+                costs = measured.cost_inputs(planned.costs.node_backward_s, spans, planned.costs.fixed_s, BACKWARD_SHARE)
             plan = plan_buckets(
                 planned.layout, planned.params, planned.caps, graph_name=f"{planned.plan.graph_name} re-planned",
                 costs=costs,
             )
+            plan = _paid_back(plan, deferred)
             grouping, leader = agreed_grouping(ddp, deferred.gm.code, [b.piece for b in plan.buckets])
             if leader is not None:
                 plan = plan.regrouped(grouping, f"grouping of rank {leader}, which decides for every rank")
-        if len(plan.pieces) == 1:
-            self._finish(plan, None, deferred.gm, deferred.compiled, times, recompiled=False)
+        if len(plan.pieces) == len(plan.buckets):
+            self._finish(plan, deferred.split, deferred.gm, deferred.compiled, times, recompiled=False)
             return None
         with times.measure("split"):
             split = split_graph(deferred.gm, planned.layout, plan.cuts)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -95,6 +96,8 @@ class PieceRecord:
     error: Failure | None = None
     """For :attr:`Outcome.EAGER_FALLBACK`: what the inner backend (or the compiled piece's
     first, fake call) raised, as text (see :class:`Failure`)."""
+    seconds: float = 0.0
+    """The inner backend's seconds on this piece (its forward; 0 for a shared piece)."""
 
     def describe(self) -> str:
         """``inductor``, ``inductor (same as piece 3)`` or ``eager (fallback)``."""
@@ -229,8 +232,10 @@ def _compile_unit(
     with times.measure("copy"):
         pristine = copy_module(gm)
     with _torch.tracing(context) if context is not None else contextlib.nullcontext(), _fakify_first_call(context):
+        start = time.perf_counter()
         with times.measure("inner"):
             result: Attempt = call_inner(inner.fn, gm, list(args))
+        seconds = time.perf_counter() - start
         used_aot = result.ok and context is not None and _torch.aot_fw_metadata(context) is not None
         outputs = None
         if used_aot and fake_mode is not None:
@@ -242,10 +247,10 @@ def _compile_unit(
             result = Attempt(result.value) if run.ok else run
             outputs = run.value
     if result.ok:
-        fn, record = result.value, PieceRecord(index, Outcome.COMPILED, inner.name)
+        fn, record = result.value, PieceRecord(index, Outcome.COMPILED, inner.name, seconds=seconds)
     else:
         fn = _fallback(pristine, index, count, inner, result.error)
-        record = PieceRecord(index, Outcome.EAGER_FALLBACK, inner.name, error=Failure.of(result.error))
+        record = PieceRecord(index, Outcome.EAGER_FALLBACK, inner.name, error=Failure.of(result.error), seconds=seconds)
         used_aot = False
     if outputs is None and fake_mode is not None:
         with times.measure("fake_run"):

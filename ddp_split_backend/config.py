@@ -106,7 +106,8 @@ class SplitConfig:
     (opt-in): the grouping with the smallest predicted step time, from each bucket's
     estimated backward, the measured fixed cost of a piece and the link: ``link_gbps``
     (Note [Choosing pieces by cost] in plan.py), else measured in the first training steps
-    where that is sound (Note [Measuring the link] in regroup.py). Fewer pieces cost less per
+    where that is sound (Note [Measuring the link] in regroup.py: one piece per bucket until
+    then, and a new grouping only if it pays for its compile soon). Fewer pieces cost less per
     step (each piece is one autograd node and one inner-backend call); more pieces start
     communication earlier. See "Choosing pieces" in docs/performance.md."""
     link_gbps: float | None = None

@@ -1,20 +1,19 @@
-"""Time one graph's backward and the DDP communication after it, in a real training step.
+"""Time one graph's backward, bucket by bucket, and the DDP communication after it.
 
-``min_piece_mb="auto"`` without ``link_gbps`` runs a graph as one piece for its first steps
-and measures them (Note [Measuring the link] in ``regroup.py``). A :class:`StepProbe` watches
-one step, with hooks that are removed when the step ends:
+``min_piece_mb="auto"`` without ``link_gbps`` runs a graph as one piece per bucket for its
+first steps and measures them (Note [Measuring the link] in ``regroup.py``). A
+:class:`StepProbe` watches one step, with hooks that are removed when the step ends:
 
 * backward starts when the gradient reaches one of the graph's outputs (a tensor hook);
-* the graph's backward ends when the last of its parameters has its gradient accumulated
-  (post-accumulate-grad hooks). With one piece the gradients are accumulated one after
-  another once the piece's backward has run, and DDP launches each bucket as soon as its
-  last gradient is in, so the link may start at the *first* parameter's hook;
+* a bucket is ready when the last of its parameters has its gradient accumulated
+  (post-accumulate-grad hooks): with one piece per bucket, when that piece's backward has
+  run, which is when DDP launches the bucket;
 * communication ends when DDP's ``finalize_backward`` has waited for every bucket. DDP
   queues it on the autograd engine once the last bucket is ready; the probe queues a
   callback at its first parameter hook, and that callback queues a second one, which
   therefore runs after DDP's.
 
-What these spans say about the link is :class:`regroup.Measurement`'s to work out.
+What these times say about the link is :class:`regroup.Measurement`'s to work out.
 
 On a GPU the times are CUDA events on the current stream (DDP's finalize makes that stream
 wait for the communication), read when the sample is taken.
@@ -26,6 +25,7 @@ copies every reduced bucket back into the gradients, whatever the grouping.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -46,25 +46,32 @@ class StepSample:
     """One measured step of one graph."""
 
     backward_s: float
-    """From the gradient reaching the graph's outputs to its last parameter's gradient."""
-    accumulating_s: float
-    """Of that, from its first parameter's gradient to its last (the buckets being launched)."""
+    """From the gradient reaching the graph's outputs to the last watched gradient."""
+    ready_s: tuple[float, ...]
+    """Per group of parameters (the probe's order), from backward's start until the last of
+    them had its gradient (0 for a group none of whose gradients came)."""
     after_s: float
-    """From the last parameter's gradient until DDP's communication had completed."""
+    """From the last watched gradient until DDP's communication had completed."""
 
 
 class StepProbe:
-    """Hooks that time one step (see the module docstring); :attr:`sample` once it ended."""
+    """Hooks that time one step (see the module docstring); :attr:`sample` once it ended.
+    ``groups``: the parameters watched, in groups timed apart (a graph's buckets)."""
 
-    def __init__(self, params: Sequence[torch.Tensor]) -> None:
-        trainable = [p for p in params if p.requires_grad]
-        self._clock = Clock(trainable[0].device) if trainable else None
+    def __init__(self, groups: Sequence[Sequence[torch.Tensor]]) -> None:
+        trainable = [[p for p in group if p.requires_grad] for group in groups]
+        first = next((group[0] for group in trainable if group), None)
+        self._clock = Clock(first.device) if first is not None else None
         self._start: Any = None
-        self._first_ready: Any = None
+        self._ready: list[Any] = [None] * len(trainable)
         self._last_ready: Any = None
         self._done: Any = None
         self._queued = False
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_ready) for p in trainable]
+        self._handles = [
+            p.register_post_accumulate_grad_hook(functools.partial(self._on_ready, index))
+            for index, group in enumerate(trainable)
+            for p in group
+        ]
 
     def watch(self, outputs: Any) -> None:
         """Start the clock when backward reaches any of ``outputs``."""
@@ -78,12 +85,12 @@ class StepProbe:
 
     def sample(self) -> StepSample | None:
         """The step's times, or ``None`` when it did not run a whole backward."""
-        if self._clock is None or None in (self._start, self._first_ready, self._last_ready, self._done):
+        if self._clock is None or None in (self._start, self._last_ready, self._done):
             return None
         seconds = self._clock.seconds
         return StepSample(
             backward_s=max(0.0, seconds(self._start, self._last_ready)),
-            accumulating_s=max(0.0, seconds(self._first_ready, self._last_ready)),
+            ready_s=tuple(0.0 if r is None else max(0.0, seconds(self._start, r)) for r in self._ready),
             after_s=max(0.0, seconds(self._last_ready, self._done)),
         )
 
@@ -96,12 +103,12 @@ class StepProbe:
         if self._start is None and self._clock is not None:
             self._start = self._clock.now()
 
-    def _on_ready(self, param: torch.Tensor) -> None:
+    def _on_ready(self, group: int, param: torch.Tensor) -> None:
         if self._clock is None:
             return
-        self._last_ready = self._clock.now()
+        self._ready[group] = self._last_ready = self._clock.now()
         if not self._queued:
-            self._queued, self._first_ready = True, self._last_ready
+            self._queued = True
             _torch.queue_after_backward(self._after_everything_queued)
 
     def _after_everything_queued(self) -> None:

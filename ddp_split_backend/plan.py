@@ -76,6 +76,8 @@ __all__ = [
     "BoundaryAdjustment",
     "BucketPlan",
     "CostInputs",
+    "PAYBACK_STEPS",
+    "Payback",
     "PiecePlan",
     "PieceSizing",
     "SplitPlan",
@@ -210,6 +212,31 @@ class PieceSizing:
         )
 
 
+PAYBACK_STEPS = 1000
+"""A measured re-plan (Note [Measuring the link] in ``regroup.py``) compiles new pieces only
+if the step time they are predicted to save, over this many steps, exceeds the compile's
+estimated seconds: a regrouping must pay for itself within a short run, so that a user's
+warm-up is not made longer for a gain the run would not see."""
+
+
+@dataclass(frozen=True, slots=True)
+class Payback:
+    """Why a measured re-plan kept the pieces it had although a grouping was predicted faster."""
+
+    pieces: int
+    """Pieces of the grouping predicted fastest."""
+    saving_s: float
+    """What it was predicted to save per step."""
+    compile_s: float
+    """Its compile, estimated from the first compile's seconds."""
+
+    def describe(self) -> str:
+        return (
+            f"{self.pieces} pieces would save {self.saving_s * 1e3:.2f} ms a step, "
+            f"too little to pay for about {self.compile_s:.1f} s of compile within {PAYBACK_STEPS} steps"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class SplitPlan:
     """Where one Dynamo graph is cut. Returned by :func:`ddp_split_backend.plan_split`."""
@@ -231,6 +258,9 @@ class SplitPlan:
     """``min_piece_mb="auto"``: the predictions the grouping was chosen by."""
     whole: WholeReason | None = None
     """Set when the buckets were kept in one piece whatever the options said, and why."""
+    payback: Payback | None = None
+    """Set when a measured re-plan kept one piece per bucket because the faster grouping's
+    compile would not pay for itself (:data:`PAYBACK_STEPS`)."""
 
     @property
     def pieces(self) -> tuple[PiecePlan, ...]:
@@ -274,6 +304,8 @@ class SplitPlan:
             return said
         if self.min_piece_bytes is not None:
             return f"{said} (pieces of at least {self.min_piece_bytes / 2**20:.3g} MiB, min_piece_mb)"
+        if self.payback is not None:
+            return f"{said} (one per bucket, {self.payback.describe()})"
         if self.sizing is not None:
             return f"{said} (grouped by predicted step time, min_piece_mb='auto')"
         return f"{said} (one per bucket)"
@@ -309,6 +341,8 @@ class SplitPlan:
             notes.append(f"ignored by DDP: {_names(self.ignored_params, width - 17)}")
         if self.whole is not None:
             notes.append(f"one piece: {self.whole.value}")
+        if self.payback is not None:
+            notes.append(self.payback.describe())
         notes.extend(f"note: {n}" for n in self.notes)
         lines = [textwrap.fill(header, width, subsequent_indent="    ")]
         for r in rows:

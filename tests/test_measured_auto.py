@@ -1,4 +1,4 @@
-"""The opt-in min_piece_mb="auto" without link_gbps: one piece, measured first steps, one re-plan.
+"""The opt-in min_piece_mb="auto" without link_gbps: one piece per bucket, measured first steps, one re-plan.
 
 Note [Measuring the link] in regroup.py. The comm hook is the benchmarks' simulated link
 (``benchmarks/overlap.py``), whose speed is known, wrapped by ``watch_overlap`` so that the
@@ -18,7 +18,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_split_backend
 from ddp_split_backend import DDPSplitBackend, ddp_split, watch_overlap
-from ddp_split_backend.regroup import STEPS_BEFORE_REPLAN, Measurement
+from ddp_split_backend import backend as backend_module
+from ddp_split_backend.regroup import STEPS_BEFORE_REPLAN, Measurement, _link_seconds_per_byte
 from ddp_split_backend.measure import StepSample, copy_back_seconds
 
 from .models import TanhStack
@@ -60,7 +61,13 @@ def _train_both(eager: DDP, split: DDP, compiled: Any, steps: int) -> None:
                 torch.testing.assert_close(a.grad, e.grad)
 
 
-def test_a_slow_link_is_measured_and_the_graph_regrouped(link: Any) -> None:
+@pytest.fixture
+def any_payback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A re-plan compiles whatever grouping is predicted faster (however little faster)."""
+    monkeypatch.setattr(backend_module, "PAYBACK_STEPS", 10**12)
+
+
+def test_a_slow_link_is_measured_and_the_graph_regrouped(link: Any, any_payback: None) -> None:
     link.bandwidth = 200 * MIB  # 5 ms per 1 MiB bucket: 40 ms of communication per step
     eager, split, compiled = _pair(send, link)
     watch = watch_overlap(split, hook=send, state=link, warmup=STEPS_BEFORE_REPLAN + 1, steps=3)
@@ -68,10 +75,10 @@ def test_a_slow_link_is_measured_and_the_graph_regrouped(link: Any) -> None:
     first, replanned = ddp_split.records[0].plan, ddp_split.records[-1].plan
 
     assert len(ddp_split.records) == 2
-    assert len(first.pieces) == 1 and len(first.buckets) == DEPTH
-    assert first.sizing is not None and "not measured yet" in first.sizing.link
+    assert len(first.pieces) == len(first.buckets) == DEPTH  # compiled as the default compiles it
+    assert first.sizing is None and "measured in its first 6 training steps" in first.notes
     assert replanned.graph_name.endswith("re-planned") and "measured over 4 steps" in replanned.sizing.link
-    # What was measured is the link's own speed (all 8 buckets sent after backward).
+    # What was measured is the link's own speed (it sends the buckets one after another).
     assert sum(replanned.sizing.bucket_comm_s) == pytest.approx(DEPTH * 5e-3, rel=0.25)
     assert 1 < len(replanned.pieces) < DEPTH, replanned.table()
     # DDP learned its bucket order from the eager first step: after the re-plan, buckets are
@@ -114,15 +121,33 @@ def test_a_real_model_on_the_default_path_regroups_and_matches_eager_ddp(link: A
     assert all(plan.sizing.link == "one bucket: nothing to group" for plan in single), [p.table() for p in single]
 
 
-def test_free_communication_keeps_one_piece_and_compiles_nothing_more() -> None:
+def test_free_communication_regroups_into_fewer_pieces(any_payback: None) -> None:
     eager, split, compiled = _pair(instant, None)
     split.register_comm_hook(None, instant)
     _train_both(eager, split, compiled, STEPS_BEFORE_REPLAN + 2)
-    first, replanned = ddp_split.records[0], ddp_split.records[-1]
+    replanned = ddp_split.records[-1]
     assert len(ddp_split.records) == 2
-    assert len(replanned.plan.pieces) == 1, replanned.plan.table()
-    assert replanned.times.seconds["inner"] == 0.0
+    assert len(replanned.plan.pieces) < DEPTH, replanned.plan.table()  # fixed costs outweigh what is sent
+    assert replanned.times.seconds["inner"] > 0.0 and replanned.plan.payback is None
+
+
+def test_a_regrouping_that_would_not_pay_for_its_compile_keeps_the_pieces(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``plan.PAYBACK_STEPS``: the same free link, but a saving that must pay back in 1 step."""
+    monkeypatch.setattr(backend_module, "PAYBACK_STEPS", 1)
+    eager, split, compiled = _pair(instant, None)
+    split.register_comm_hook(None, instant)
+    with caplog.at_level(logging.INFO, logger="ddp_split.summary"):
+        _train_both(eager, split, compiled, STEPS_BEFORE_REPLAN + 2)
+    first, replanned = ddp_split.records[0], ddp_split.records[-1]
+    payback = replanned.plan.payback
+    assert payback is not None and payback.pieces < DEPTH and payback.saving_s < payback.compile_s, replanned.plan.table()
+    assert len(replanned.plan.pieces) == DEPTH and replanned.times.seconds["inner"] == 0.0
     assert replanned.pieces == first.pieces
+    assert replanned.plan.sizing.predicted_s == replanned.plan.sizing.one_per_bucket_s
+    (line,) = [r.getMessage() for r in caplog.records if " re-planned: " in r.getMessage()]
+    assert "too little to pay for about" in line and line.endswith("kept as compiled, nothing recompiled"), line
 
 
 def test_steps_that_do_not_synchronise_are_not_counted(link: Any) -> None:
@@ -150,7 +175,7 @@ def _replanned() -> list[Any]:
     return [r for r in ddp_split.records if r.plan.graph_name.endswith("re-planned")]
 
 
-def test_a_failed_replan_keeps_training_on_one_piece(link: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_replan_keeps_training_on_the_pieces_it_has(link: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     def broken(self: DDPSplitBackend, deferred: Any, measured: Measurement, ddp: Any) -> Any:
         raise RuntimeError("no re-plan today")
 
@@ -158,7 +183,7 @@ def test_a_failed_replan_keeps_training_on_one_piece(link: Any, monkeypatch: pyt
     link.bandwidth = 200 * MIB
     eager, split, compiled = _pair(send, link)
     split.register_comm_hook(link, send)
-    with pytest.warns(UserWarning, match="could not re-plan.*no re-plan today"):
+    with pytest.warns(UserWarning, match="could not re-plan, and keeps one piece per bucket.*no re-plan today"):
         _train_both(eager, split, compiled, STEPS_BEFORE_REPLAN + 2)
     assert len(ddp_split.records) == 1
 
@@ -172,28 +197,41 @@ def test_without_ddp_nothing_is_measured() -> None:
     assert len(record.plan.pieces) == 1 < len(record.plan.buckets)  # nothing to overlap: one piece
 
 
-def test_the_measurement_rescales_the_estimates_and_gives_the_links_speed() -> None:
-    # (backward, of it accumulating gradients, after it): the link started at the first gradient
-    samples = (StepSample(0.010, 0.001, 0.003), StepSample(0.012, 0.001, 0.004), StepSample(0.011, 0.001, 0.100))
-    measured = Measurement(samples, grad_bytes=10_000_000)
-    costs = measured.cost_inputs((1.0, 3.0), fixed_s=0.002, backward_share=0.5)
+def test_the_link_speed_is_the_one_that_ends_sending_when_the_step_did() -> None:
+    # One link, buckets sent in the order they are ready: 100 bytes at 10 us per byte is 1 ms.
+    assert _link_seconds_per_byte([1e-3, 2e-3, 3e-3], [100, 100, 100], 4e-3) == pytest.approx(1e-5)
+    # The link idles between buckets ready far apart: only the last one is left at the end.
+    assert _link_seconds_per_byte([1e-3, 5e-3], [100, 100], 6e-3) == pytest.approx(1e-5)
+    assert _link_seconds_per_byte([1e-3, 5e-3], [100, 100], 5e-3) == 0.0  # nothing left to send
+
+
+def test_the_measurement_rescales_each_buckets_estimates_and_gives_the_links_speed() -> None:
+    # Two buckets (forward order), ready in backward order: the second at 4 ms, the first at 10 ms.
+    samples = (
+        StepSample(0.010, (0.010, 0.004), 0.003),
+        StepSample(0.012, (0.012, 0.004), 0.004),
+        StepSample(0.011, (0.011, 0.004), 0.100),
+    )
+    measured = Measurement(samples, bucket_bytes=(5_000_000, 5_000_000))
     assert measured.backward_s == 0.011 and measured.exposed_s == 0.004  # medians
-    assert measured.comm_s == pytest.approx(0.005)  # busy from the first gradient on
-    assert costs.node_backward_s == pytest.approx((0.0025, 0.0075))  # 11 ms less 1 ms of fixed cost
-    assert costs.link_bytes_per_s == pytest.approx(2e9)
-    assert "the link takes 5.00 ms" in costs.link_source
-    copying = Measurement(samples, grad_bytes=10_000_000, ddp_work_s=0.003)
-    assert copying.exposed_s == pytest.approx(0.001) and copying.comm_s == pytest.approx(0.002)
+    assert measured.bucket_backward_s == pytest.approx((0.007, 0.004))
+    # Per step, the link's time per bucket that ends at backward + exposed: 3, 4 and 53.5 ms; the median, twice.
+    assert measured.comm_s == pytest.approx(0.008)
+    costs = measured.cost_inputs((1.0, 1.0, 3.0), [(0, 2), (2, 3)], fixed_s=0.002, backward_share=0.5)
+    assert costs.node_backward_s == pytest.approx((0.003, 0.003, 0.003))  # each bucket less 1 ms of fixed cost
+    assert costs.link_bytes_per_s == pytest.approx(10_000_000 / 0.008)
+    assert "the link takes 8.00 ms" in costs.link_source
+    copying = Measurement(samples, bucket_bytes=(5_000_000, 5_000_000), ddp_work_s=0.003)
+    assert copying.exposed_s == pytest.approx(0.001)
 
 
-def test_too_little_exposed_for_a_cut_is_a_free_link() -> None:
-    samples = (StepSample(0.010, 0.001, 0.0004), StepSample(0.010, 0.001, 0.0003))
-    measured = Measurement(samples, grad_bytes=10_000_000)  # 0.35 ms exposed after a 10 ms backward
-    assert not measured.worth_a_cut(fixed_s=0.0002)  # under 0.2 ms + TOLERANCE x 10.35 ms
-    assert measured.worth_a_cut(fixed_s=0.0)
-    costs = measured.cost_inputs((1.0,), fixed_s=0.0002, backward_share=0.5)
+def test_nothing_left_after_backward_is_a_free_link() -> None:
+    samples = (StepSample(0.010, (0.010, 0.004), 0.0004), StepSample(0.010, (0.010, 0.004), 0.0003))
+    measured = Measurement(samples, bucket_bytes=(1, 1), ddp_work_s=0.0005)  # all of it DDP's copy back
+    assert measured.comm_s == 0.0
+    costs = measured.cost_inputs((1.0, 1.0), [(0, 1), (1, 2)], fixed_s=0.0002, backward_share=0.5)
     assert costs.link_bytes_per_s == float("inf") and "taken as free" in costs.link_source
-    assert Measurement(samples, grad_bytes=1, ddp_work_s=1.0).comm_s == 0.0  # all of it DDP's copy
+    assert not measured.worth_a_cut(fixed_s=0.0)
 
 
 def test_timing_ddps_copy_back_leaves_the_parameters_alone() -> None:
@@ -217,7 +255,7 @@ def test_two_ranks_measure_regroup_and_match_eager_ddp(tmp_path, ddp_kwargs) -> 
     pieces."""
     steps = STEPS_BEFORE_REPLAN + 3
     results = run_ranks(
-        _grouped_sgd_worker, tmp_path, world=2, min_piece_mb="auto", steps=steps, ddp_kwargs=ddp_kwargs,
+        _any_payback_worker, tmp_path, world=2, min_piece_mb="auto", steps=steps, ddp_kwargs=ddp_kwargs,
         delay_s=5e-4, width=512, batch=64,  # milliseconds of backward: a cut clearly pays
     )
     for result in results:
@@ -229,11 +267,17 @@ def test_two_ranks_measure_regroup_and_match_eager_ddp(tmp_path, ddp_kwargs) -> 
         torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
+def _any_payback_worker(rank: int, world: int, **kwargs: Any) -> dict:
+    """:func:`_grouped_sgd_worker` where a re-plan compiles any grouping predicted faster."""
+    backend_module.PAYBACK_STEPS = 10**12  # a spawned process: undone at its exit
+    return _grouped_sgd_worker(rank, world, **kwargs)
+
+
 def _dissenting_worker(rank: int, world: int, **kwargs: Any) -> dict:
-    """Rank 1 alone would see a free link (nothing worth a cut) and keep one piece."""
+    """Rank 1 alone would see a free link and group for it."""
     if rank == 1:
-        Measurement.worth_a_cut = lambda self, fixed_s: False  # a spawned process: undone at its exit
-    result = _grouped_sgd_worker(rank, world, **kwargs)
+        Measurement.comm_s = property(lambda self: 0.0)  # a spawned process: undone at its exit
+    result = _any_payback_worker(rank, world, **kwargs)
     result["notes"] = ddp_split.records[-1].plan.notes
     return result
 
@@ -273,17 +317,19 @@ def _train_broken(hook: Any, state: Any) -> list[Any]:
     compiled = torch.compile(split, backend="ddp_split", options=AUTO)
     with ddp_split_backend.own_split():
         for _ in range(STEPS_BEFORE_REPLAN + 2):
-            compiled(torch.randn(128, WIDTH)).sum().backward()  # milliseconds of backward: above timing noise
+            compiled(torch.randn(2048, WIDTH)).sum().backward()  # 40 ms of backward: DDP's finalize (~1 ms) is noise
     return _replanned()
 
 
-def test_graph_breaks_over_an_instant_link_keep_every_graph_whole() -> None:
-    """Each graph times all of DDP's backward; nothing was exposed, so no graph is cut."""
+def test_graph_breaks_over_an_instant_link_take_the_link_as_free(any_payback: None) -> None:
+    """Each graph also times the rest of DDP's backward; nothing worth a cut was exposed, so
+    each is grouped for a free link: fewer pieces, fewest fixed costs."""
     replanned = _train_broken(instant, None)
     assert len(replanned) == 2, [r.plan.graph_name for r in ddp_split.records]
     for record in replanned:
-        assert len(record.plan.pieces) == 1 and "all of DDP's backward" in record.plan.sizing.link, record.plan.table()
-        assert record.times.seconds["inner"] == 0.0
+        sizing = record.plan.sizing
+        assert "the rest of DDP's" in sizing.link and "taken as free" in sizing.link, record.plan.table()
+        assert len(record.plan.pieces) < len(record.plan.buckets) and sum(sizing.bucket_comm_s) == 0.0
 
 
 def test_graph_breaks_over_a_slow_link_are_grouped_by_the_static_estimate(link: Any) -> None:
@@ -295,7 +341,7 @@ def test_graph_breaks_over_a_slow_link_are_grouped_by_the_static_estimate(link: 
 
 
 def test_the_replan_says_when_it_starts_and_ends_and_watch_overlap_measures_after_it(
-    link: Any, caplog: pytest.LogCaptureFixture
+    link: Any, caplog: pytest.LogCaptureFixture, any_payback: None
 ) -> None:
     link.bandwidth = 200 * MIB  # slow enough that the re-plan cuts the graph and recompiles
     eager, split, compiled = _pair(send, link)
