@@ -263,7 +263,8 @@ def _recompile_s(deferred: _Deferred, plan: SplitPlan) -> float:
     """The estimated seconds of compiling ``plan``'s pieces: the first compile's lowest
     seconds per node of a piece (the first piece of a process also pays one-time costs),
     for the nodes of each distinct new piece (a piece whose buckets' first pieces were
-    compiled alike as another's is taken to be compiled once, as reuse does)."""
+    compiled alike as another's is taken to be compiled once, as reuse does; with reuse, a
+    piece of one bucket keeps its first compile)."""
     first, records = deferred.planned.plan, deferred.compiled.records
     rates = [
         r.seconds / p.node_count
@@ -276,7 +277,8 @@ def _recompile_s(deferred: _Deferred, plan: SplitPlan) -> float:
     groups: dict[int, list[int]] = {}
     for index, bucket in enumerate(plan.buckets):
         groups.setdefault(bucket.piece, []).append(index)
-    distinct = {tuple(alike[i] for i in held): held for held in groups.values()}
+    kept = deferred.config.reuse
+    distinct = {tuple(alike[i] for i in held): held for held in groups.values() if not (kept and len(held) == 1)}
     nodes = sum(first.buckets[i].node_count for held in distinct.values() for i in held)
     return _BACKWARD_TOO * min(rates) * nodes
 
@@ -415,10 +417,13 @@ class DDPSplitBackend:
         with times.measure("split"):
             split = split_graph(deferred.gm, planned.layout, plan.cuts)
         context = _torch.tracing(deferred.context) if deferred.context is not None else contextlib.nullcontext()
-        summary_log.info("ddp_split: %s: compiling %d pieces for %d DDP buckets (training waits for it)",
-                         plan.graph_name, len(plan.pieces), len(plan.buckets))
+        pieces = f"{len(plan.pieces)} piece" + ("s" if len(plan.pieces) > 1 else "")
+        summary_log.info("ddp_split: %s: compiling %s for %d DDP buckets (training waits for it)",
+                         plan.graph_name, pieces, len(plan.buckets))
         with context, preserve_global_state(), _torch.backward_compiled_with_forward():
-            compiled = compile_pieces(split, deferred.example_inputs, deferred.inner, times, reuse=config.reuse)
+            compiled = compile_pieces(
+                split, deferred.example_inputs, deferred.inner, times, reuse=config.reuse, keep=deferred.compiled
+            )
         return self._finish(plan, split, deferred.gm, compiled, times)
 
     def _configured(self, options: Mapping[str, Any] | None, mode: str | None) -> tuple[SplitConfig, InnerCompile]:

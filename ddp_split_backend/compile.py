@@ -27,12 +27,13 @@ checked to describe the piece (its inputs and outputs) before the piece is used.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -56,6 +57,9 @@ class Outcome(enum.Enum):
     """Compiled by the inner backend."""
     SHARED = "shared"
     """Uses the function compiled for an identical earlier piece (``shared_with``)."""
+    KEPT = "kept"
+    """A re-plan's piece identical to one of the first compile (``shared_with``, numbered as
+    in that compile): its function, compiled then, is kept."""
     EAGER_FALLBACK = "eager fallback"
     """The inner backend failed on it; the piece's FX code runs as Python."""
 
@@ -103,6 +107,8 @@ class PieceRecord:
         """``inductor``, ``inductor (same as piece 3)`` or ``eager (fallback)``."""
         if self.outcome is Outcome.SHARED:
             return f"{self.backend} (same as piece {self.shared_with})"
+        if self.outcome is Outcome.KEPT:
+            return f"{self.backend} (kept from the first compile)"
         if self.outcome is Outcome.EAGER_FALLBACK:
             return "eager (fallback)"
         return self.backend
@@ -112,6 +118,8 @@ class PieceRecord:
 class CompiledPieces:
     callables: tuple[Callable[..., Any], ...]
     records: tuple[PieceRecord, ...]
+    shareable: Mapping[tuple, _Reusable] = field(default_factory=dict)
+    """The compiled pieces a later compile of the same graph may keep, by structure key."""
 
 
 class MetadataMismatchError(RuntimeError):
@@ -193,6 +201,8 @@ class _Reusable:
     piece: int
     fn: Callable[..., Any]
     outputs: tuple[Any, ...]
+    earlier: bool = False
+    """Compiled by an earlier compile of the graph (``compile_pieces``'s ``keep``)."""
 
 
 _USER_CODE_LEVEL = 5
@@ -298,6 +308,7 @@ def compile_pieces(
     times: StageTimes,
     *,
     reuse: bool = False,
+    keep: CompiledPieces | None = None,
 ) -> CompiledPieces:
     """Compile every piece of ``split`` with the inner backend, in order, on fake inputs.
 
@@ -308,6 +319,8 @@ def compile_pieces(
         times: where the seconds of each stage are added up.
         reuse: compile pieces with identical structure and input metadata once (see
             ``SplitConfig.reuse_identical_pieces``).
+        keep: an earlier compile of the same graph (a re-plan's first pieces): with
+            ``reuse``, a piece identical to one of its pieces keeps that piece's function.
 
     Returns:
         The callables, one per piece, and a record of how each was compiled.
@@ -325,7 +338,9 @@ def compile_pieces(
     context = _torch.TracingContext.try_get()
     callables: list[Callable[..., Any]] = []
     records: list[PieceRecord] = []
-    reusable: dict[tuple, _Reusable] = {}
+    reusable: dict[tuple, _Reusable] = (
+        {key: dataclasses.replace(hit, earlier=True) for key, hit in keep.shareable.items()} if keep and reuse else {}
+    )
     count = len(split.pieces)
     for piece in split.pieces:
         args = [values[s] for s in piece.inputs]
@@ -335,7 +350,8 @@ def compile_pieces(
             outputs = fresh_outputs(hit.outputs, fake_mode) if hit is not None else None
         if hit is not None:
             callables.append(hit.fn)
-            records.append(PieceRecord(piece.index, Outcome.SHARED, inner.name, shared_with=hit.piece))
+            outcome = Outcome.KEPT if hit.earlier else Outcome.SHARED
+            records.append(PieceRecord(piece.index, outcome, inner.name, shared_with=hit.piece))
         else:
             _set_example_values(piece.gm, args)
             own_context = _torch.piece_tracing_context(context) if context is not None else None
@@ -351,4 +367,5 @@ def compile_pieces(
                 reusable[key] = _Reusable(piece.index, unit.fn, tuple(outputs))
         for s, value in zip(piece.outputs, outputs):
             values[s] = value
-    return CompiledPieces(tuple(callables), tuple(records))
+    own = {key: hit for key, hit in reusable.items() if not hit.earlier}
+    return CompiledPieces(tuple(callables), tuple(records), own)

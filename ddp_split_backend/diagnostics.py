@@ -97,6 +97,7 @@ def summary_line(
     outcomes = collections.Counter(r.outcome for r in pieces)
     extra = ", ".join(part for part in (
         f"{outcomes[Outcome.SHARED]} reused" if outcomes[Outcome.SHARED] else "",
+        f"{outcomes[Outcome.KEPT]} kept from the first compile" if outcomes[Outcome.KEPT] else "",
         f"{outcomes[Outcome.EAGER_FALLBACK]} eager after the inner backend failed"
         if outcomes[Outcome.EAGER_FALLBACK] else "",
     ) if part)

@@ -27,11 +27,11 @@ synchronising gradients) are used as follows.
 3. The next :data:`MEASURED_STEPS` are timed with a :class:`measure.StepProbe`: when each
    bucket's gradients are ready (its piece's backward has run and DDP launches it) and when
    ``finalize_backward`` returns, once the link has sent every bucket and DDP has copied
-   them back into the gradients (timed once by :func:`measure.copy_back_seconds`). One link
-   sends the buckets in the order they are ready, so the end of its work is a known,
-   increasing function of its speed: the speed that ends it when the step's communication
-   ended is the link's (:func:`_link_seconds_per_byte`). Nothing left after backward beyond
-   the copy means the link kept up and is taken as free. The medians over the steps are
+   each back into the gradients as it arrived (the copy timed once by
+   :func:`measure.copy_back_seconds`). One link sends the buckets in the order they are
+   ready, so the step's end is a known, increasing function of the link's speed: the speed
+   at which it would have ended when it did is the link's (:func:`_link_seconds_per_byte`).
+   A step that ended no later than with a free link takes the link as free. The medians over the steps are
    used; each bucket's measured backward rescales the per-node estimates of ``cost.py``.
 4. At the next step the buckets are grouped as if the user had given that ``link_gbps``,
    once. If one piece per bucket is still best, or the predicted saving would not pay for
@@ -78,22 +78,28 @@ that rebuilds its buckets after its first step (one eager step; ``static_graph=T
 _BISECTIONS = 60
 
 
-def _link_seconds_per_byte(ready: Sequence[float], nbytes: Sequence[int], end: float) -> float:
-    """The link speed (seconds per byte) at which one link, sending buckets of ``nbytes``
-    in the order they are ``ready`` (both in backward order), each as soon as it is ready and
-    the one before it is sent, finishes at ``end``; 0 when it finished with the last bucket's
-    readiness (nothing was left to send)."""
+def _link_seconds_per_byte(ready: Sequence[float], nbytes: Sequence[int], end: float, copy_s: float = 0.0) -> float:
+    """The link speed (seconds per byte) at which a step ends at ``end``: one link sends
+    buckets of ``nbytes`` in the order they are ``ready`` (both in backward order), each as
+    soon as it is ready and the one before it is sent; once backward ended, DDP waits for
+    each bucket in that order and copies it back into the gradients (``copy_s`` for all of
+    them, shared by bytes), so a copy overlaps the sending of the buckets after it. 0 when
+    the step ended no later than with a free link."""
     total = sum(nbytes)
-    if total <= 0 or end <= max(ready, default=0.0):
+    if total <= 0:
         return 0.0
+    start = max(ready, default=0.0)
 
     def finish(per_byte: float) -> float:
-        link = 0.0
+        link, done = 0.0, start
         for at, size in zip(ready, nbytes, strict=True):
             link = max(link, at) + size * per_byte
-        return link
+            done = max(done, link) + copy_s * size / total
+        return done
 
-    low, high = 0.0, end / total  # sending every byte after 0 takes at least `end` at `high`
+    if end <= finish(0.0):
+        return 0.0
+    low, high = 0.0, end / total  # the last bucket is sent no earlier than every byte's time
     for _ in range(_BISECTIONS):
         middle = (low + high) / 2
         low, high = (middle, high) if finish(middle) < end else (low, middle)
@@ -151,8 +157,8 @@ class Measurement:
     def _seconds_per_byte(self, sample: StepSample) -> float:
         count = len(self.bucket_bytes)
         ready = sample.ready_s[:count][::-1]  # backward visits the last bucket first
-        end = sample.backward_s + max(0.0, self._exposed(sample))
-        return _link_seconds_per_byte(ready, self.bucket_bytes[::-1], end)
+        end = sample.backward_s + sample.after_s
+        return _link_seconds_per_byte(ready, self.bucket_bytes[::-1], end, self.ddp_work_s)
 
     def worth_a_cut(self, fixed_s: float) -> bool:
         """Whether what was exposed could pay for one more piece: a cut hides at most the

@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ddp_split_backend
 from ddp_split_backend import DDPSplitBackend, ddp_split, watch_overlap
 from ddp_split_backend import backend as backend_module
+from ddp_split_backend.compile import Outcome
 from ddp_split_backend.regroup import STEPS_BEFORE_REPLAN, Measurement, _link_seconds_per_byte
 from ddp_split_backend.measure import StepSample, copy_back_seconds
 
@@ -81,6 +82,7 @@ def test_a_slow_link_is_measured_and_the_graph_regrouped(link: Any, any_payback:
     # What was measured is the link's own speed (it sends the buckets one after another).
     assert sum(replanned.sizing.bucket_comm_s) == pytest.approx(DEPTH * 5e-3, rel=0.25)
     assert 1 < len(replanned.pieces) < DEPTH, replanned.table()
+    _assert_one_bucket_pieces_kept(ddp_split.records[-1])
     # DDP learned its bucket order from the eager first step: after the re-plan, buckets are
     # handed over while backward still runs.
     watch.remove()
@@ -129,6 +131,14 @@ def test_free_communication_regroups_into_fewer_pieces(any_payback: None) -> Non
     assert len(ddp_split.records) == 2
     assert len(replanned.plan.pieces) < DEPTH, replanned.plan.table()  # fixed costs outweigh what is sent
     assert replanned.times.seconds["inner"] > 0.0 and replanned.plan.payback is None
+    _assert_one_bucket_pieces_kept(replanned)
+
+
+def _assert_one_bucket_pieces_kept(record: Any) -> None:
+    """A re-planned piece holding one bucket is the first compile's piece for it, kept."""
+    for piece, compiled in zip(record.plan.pieces, record.pieces, strict=True):
+        kept = compiled.outcome is Outcome.KEPT
+        assert kept == (len(piece.buckets) == 1), record.compiled_by
 
 
 def test_a_regrouping_that_would_not_pay_for_its_compile_keeps_the_pieces(
@@ -203,6 +213,9 @@ def test_the_link_speed_is_the_one_that_ends_sending_when_the_step_did() -> None
     # The link idles between buckets ready far apart: only the last one is left at the end.
     assert _link_seconds_per_byte([1e-3, 5e-3], [100, 100], 6e-3) == pytest.approx(1e-5)
     assert _link_seconds_per_byte([1e-3, 5e-3], [100, 100], 5e-3) == 0.0  # nothing left to send
+    # DDP copies each bucket back as it arrives (0.5 ms each): the first copy overlaps sending the second.
+    assert _link_seconds_per_byte([1e-3, 2e-3], [100, 100], 3.5e-3, copy_s=1e-3) == pytest.approx(1e-5)
+    assert _link_seconds_per_byte([1e-3, 2e-3], [100, 100], 3e-3, copy_s=1e-3) == 0.0  # the copies alone
 
 
 def test_the_measurement_rescales_each_buckets_estimates_and_gives_the_links_speed() -> None:
@@ -250,12 +263,12 @@ def test_timing_ddps_copy_back_leaves_the_parameters_alone() -> None:
     ids=["plain", "static_graph", "find_unused", "bucket_view"],
 )
 def test_two_ranks_measure_regroup_and_match_eager_ddp(tmp_path, ddp_kwargs) -> None:
-    """Each rank measures its own steps over a slow allreduce (every bucket 0.5 ms late) and
-    regroups, under each DDP mode; DDP's buckets, and so the gradients, do not depend on the
-    pieces."""
+    """Each rank measures its own steps over a slow allreduce (every bucket 0.5 ms late; the
+    link is then taken as a quarter of backward, so that several pieces pay) and regroups, under
+    each DDP mode; DDP's buckets, and so the gradients, do not depend on the pieces."""
     steps = STEPS_BEFORE_REPLAN + 3
     results = run_ranks(
-        _any_payback_worker, tmp_path, world=2, min_piece_mb="auto", steps=steps, ddp_kwargs=ddp_kwargs,
+        _regrouping_worker, tmp_path, world=2, min_piece_mb="auto", steps=steps, ddp_kwargs=ddp_kwargs,
         delay_s=5e-4, width=512, batch=64,  # milliseconds of backward: a cut clearly pays
     )
     for result in results:
@@ -267,17 +280,17 @@ def test_two_ranks_measure_regroup_and_match_eager_ddp(tmp_path, ddp_kwargs) -> 
         torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
-def _any_payback_worker(rank: int, world: int, **kwargs: Any) -> dict:
-    """:func:`_grouped_sgd_worker` where a re-plan compiles any grouping predicted faster."""
-    backend_module.PAYBACK_STEPS = 10**12  # a spawned process: undone at its exit
+def _regrouping_worker(rank: int, world: int, free_link: bool = False, **kwargs: Any) -> dict:
+    """:func:`_grouped_sgd_worker` where a re-plan compiles any grouping predicted faster and
+    the link is measured as taking a quarter of backward (several pieces pay), or as free."""
+    backend_module.PAYBACK_STEPS = 10**12  # a spawned process: both undone at its exit
+    Measurement.comm_s = property(lambda self: 0.0 if free_link else self.backward_s / 4)
     return _grouped_sgd_worker(rank, world, **kwargs)
 
 
 def _dissenting_worker(rank: int, world: int, **kwargs: Any) -> dict:
     """Rank 1 alone would see a free link and group for it."""
-    if rank == 1:
-        Measurement.comm_s = property(lambda self: 0.0)  # a spawned process: undone at its exit
-    result = _any_payback_worker(rank, world, **kwargs)
+    result = _regrouping_worker(rank, world, free_link=rank == 1, **kwargs)
     result["notes"] = ddp_split.records[-1].plan.notes
     return result
 
@@ -353,7 +366,7 @@ def test_the_replan_says_when_it_starts_and_ends_and_watch_overlap_measures_afte
     assert all("\n" not in line for line in lines), lines
     first, start, end, overlap = lines
     assert f"re-planned once its first {STEPS_BEFORE_REPLAN} training steps are measured" in first
-    assert re.search(r"re-planned: compiling \d+ pieces for 8 DDP buckets \(training waits for it\)$", start)
+    assert re.search(r"re-planned: compiling \d+ pieces? for 8 DDP buckets \(training waits for it\)$", start)
     assert re.search(r"re-planned: \d+ pieces for 8 DDP buckets \(grouped by predicted step time", end)
     record = ddp_split.records[-1]
     assert f"compiled in {sum(record.times.seconds.values()):.1f} s" in end  # the record has the same seconds
