@@ -20,8 +20,9 @@ Models:
   ``bucket_cap_mb=0.02``. DDPOptimizer asserts on that cap, so it is left out for them.
 
 ``--slow-link-ms D`` completes every bucket's allreduce D ms late in every mode (the tests'
-``slow_allreduce``): with it ``min_piece_mb="auto"`` measures exposed communication and its
-re-plan compiles new pieces, whose seconds are printed (``re-plan``).
+``slow_allreduce``): with it ``min_piece_mb="auto"`` measures a link; its re-plan's seconds
+are printed (``re-plan``), whether it compiled a new grouping or kept the default's pieces
+(a grouping that would not pay for its compile within ``plan.PAYBACK_STEPS`` steps).
 
 Modes, each ``DDP(torch.compile(model, backend=...))``, inner backend inductor:
 
@@ -130,6 +131,7 @@ def _worker(mode: str, model_name: str, steps: int, steady: int, slow_link_ms: f
         "warmup_s": sum(times[:steps]) - steps * steady_s,
         "plans": [(r.plan.graph_name, len(r.plan.pieces), len(r.plan.buckets)) for r in records],
         "replan_s": [sum(r.times.seconds.values()) for r in records if r.plan.graph_name.endswith("re-planned")],
+        "replan_compiled": [r.times.seconds["inner"] > 0 for r in records if r.plan.graph_name.endswith("re-planned")],
     }
     ddp_split_backend.close_ddp(ddp)  # reducers before the group: Note [Teardown deadlock]
     return result
@@ -158,7 +160,10 @@ def table(rows: dict[tuple[str, str], dict[str, Any]], models: list[str], modes:
             row = rows[(model, mode)]
             ratio = lambda base: f"{row['warmup_s'] / base:.2f}" if base else "-"  # noqa: E731
             pieces = ", ".join(str(p) for _, p, _ in row["plans"]) or "-"
-            replans = ", ".join(f"{s:.2f}" for s in row.get("replan_s", ())) or "-"
+            compiled = row.get("replan_compiled") or [True] * len(row.get("replan_s", ()))
+            replans = ", ".join(
+                f"{s:.2f}" + ("" if new else " (kept)") for s, new in zip(row.get("replan_s", ()), compiled)
+            ) or "-"
             lines.append(f"| {model} | {mode} | {row['warmup_s']:.1f} | {ratio(per_bucket)} | {ratio(optimizer)} "
                          f"| {1e3 * row['steady_step_s']:.1f} | {pieces} | {replans} |")
     return "\n".join(lines)
@@ -204,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                 "steady_step_s": statistics.median(r["steady_step_s"] for r in mine),
                 "plans": mine[-1]["plans"],
                 "replan_s": [s for r in mine for s in r["replan_s"]],
+                "replan_compiled": [c for r in mine for c in r["replan_compiled"]],
             }
     text = table(rows, args.models, args.modes)
     print(text)
