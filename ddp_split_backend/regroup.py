@@ -31,13 +31,15 @@ synchronising gradients) are used as follows.
    :func:`measure.copy_back_seconds`). One link sends the buckets in the order they are
    ready, so the step's end is a known, increasing function of the link's speed: the speed
    at which it would have ended when it did is the link's (:func:`_link_seconds_per_byte`).
-   A step that ended no later than with a free link takes the link as free. The medians over the steps are
-   used; each bucket's measured backward rescales the per-node estimates of ``cost.py``.
+   A step that ended no later than with a free link takes the link as free. The medians
+   over the steps are used; each bucket's measured backward rescales the per-node
+   estimates of ``cost.py``.
 4. At the next step the buckets are grouped as if the user had given that ``link_gbps``,
    once. If one piece per bucket is still best, or the predicted saving would not pay for
    the new pieces' compile within ``plan.PAYBACK_STEPS`` steps, nothing is compiled; otherwise
    the new pieces are compiled under the frame's tracing context, from the frame's fake
-   inputs, as they would have been at the first call, and replace the per-bucket pieces.
+   inputs, as they would have been at the first call, and replace the per-bucket pieces
+   (a new piece holding one bucket keeps that bucket's first compile, ``Outcome.KEPT``).
    Either way a new :class:`CompileRecord` (in ``DDPSplitBackend.records``, a
    ``TORCH_LOGS=ddp_split`` table and one summary line) shows what was measured, the
    grouping and the recompile's seconds.
