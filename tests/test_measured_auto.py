@@ -328,21 +328,21 @@ class Broken(torch.nn.Module):
         return self.back(x)
 
 
-def _train_broken(hook: Any, state: Any) -> list[Any]:
+def _train_broken(hook: Any, state: Any, batch: int) -> list[Any]:
     torch.manual_seed(0)
     split = DDP(Broken(), bucket_cap_mb=1)
     split.register_comm_hook(state, hook)
     compiled = torch.compile(split, backend="ddp_split", options=AUTO)
     with ddp_split_backend.own_split():
         for _ in range(STEPS_BEFORE_REPLAN + 2):
-            compiled(torch.randn(2048, WIDTH)).sum().backward()  # 40 ms of backward: DDP's finalize (~1 ms) is noise
+            compiled(torch.randn(batch, WIDTH)).sum().backward()
     return _replanned()
 
 
 def test_graph_breaks_over_an_instant_link_take_the_link_as_free(any_payback: None) -> None:
     """Each graph also times the rest of DDP's backward; nothing worth a cut was exposed, so
     each is grouped for a free link: fewer pieces, fewest fixed costs."""
-    replanned = _train_broken(instant, None)
+    replanned = _train_broken(instant, None, batch=8192)  # 150 ms of backward: DDP's finalize (1-2 ms) is noise
     assert len(replanned) == 2, [r.plan.graph_name for r in ddp_split.records]
     for record in replanned:
         sizing = record.plan.sizing
@@ -352,7 +352,7 @@ def test_graph_breaks_over_an_instant_link_take_the_link_as_free(any_payback: No
 
 def test_graph_breaks_over_a_slow_link_are_grouped_by_the_static_estimate(link: Any) -> None:
     link.bandwidth = 100 * MIB
-    replanned = _train_broken(send, link)
+    replanned = _train_broken(send, link, batch=2048)  # 40 ms of backward, 80 ms to send
     assert len(replanned) == 2
     for record in replanned:
         assert "not measured" in record.plan.sizing.link and len(record.plan.pieces) > 1, record.plan.table()
