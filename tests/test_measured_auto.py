@@ -64,7 +64,9 @@ def _train_both(eager: DDP, split: DDP, compiled: Any, steps: int, batch: int = 
                 model.zero_grad()
                 model(x).sum().backward()
             for a, e in zip(split.parameters(), eager.parameters(), strict=True):
-                torch.testing.assert_close(a.grad, e.grad)
+                # aot_eager's decompositions round differently from eager, by a grouping that
+                # depends on measured times: 2e-5 seen through 8 tanh layers.
+                torch.testing.assert_close(a.grad, e.grad, atol=1e-4, rtol=1e-4)
 
 
 @pytest.fixture
