@@ -27,7 +27,6 @@ checked to describe the piece (its inputs and outputs) before the piece is used.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import enum
 import time
 import traceback
@@ -201,8 +200,6 @@ class _Reusable:
     piece: int
     fn: Callable[..., Any]
     outputs: tuple[Any, ...]
-    earlier: bool = False
-    """Compiled by an earlier compile of the graph (``compile_pieces``'s ``keep``)."""
 
 
 _USER_CODE_LEVEL = 5
@@ -338,19 +335,21 @@ def compile_pieces(
     context = _torch.TracingContext.try_get()
     callables: list[Callable[..., Any]] = []
     records: list[PieceRecord] = []
-    reusable: dict[tuple, _Reusable] = (
-        {key: dataclasses.replace(hit, earlier=True) for key, hit in keep.shareable.items()} if keep and reuse else {}
-    )
+    reusable: dict[tuple, _Reusable] = {}
+    earlier = keep.shareable if keep is not None and reuse else {}
     count = len(split.pieces)
     for piece in split.pieces:
         args = [values[s] for s in piece.inputs]
         with times.measure("reuse"):
             key = structure_key(piece.gm, args, piece.grad) if reuse else None
             hit = reusable.get(key) if key is not None else None
+            kept = hit is None and key is not None and key in earlier
+            if kept:
+                hit = earlier[key]
             outputs = fresh_outputs(hit.outputs, fake_mode) if hit is not None else None
         if hit is not None:
             callables.append(hit.fn)
-            outcome = Outcome.KEPT if hit.earlier else Outcome.SHARED
+            outcome = Outcome.KEPT if kept else Outcome.SHARED
             records.append(PieceRecord(piece.index, outcome, inner.name, shared_with=hit.piece))
         else:
             _set_example_values(piece.gm, args)
@@ -367,5 +366,4 @@ def compile_pieces(
                 reusable[key] = _Reusable(piece.index, unit.fn, tuple(outputs))
         for s, value in zip(piece.outputs, outputs):
             values[s] = value
-    own = {key: hit for key, hit in reusable.items() if not hit.earlier}
-    return CompiledPieces(tuple(callables), tuple(records), own)
+    return CompiledPieces(tuple(callables), tuple(records), reusable)
