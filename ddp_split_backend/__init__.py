@@ -7,7 +7,7 @@ backend, so DDP can launch each gradient bucket's allreduce while backward is st
 from __future__ import annotations
 
 from .backend import CompileRecord, DDPSplitBackend, ddp_split, plan_split
-from .compile import Failure, Outcome, PieceRecord
+from .compile import Failure, InnerFallbackWarning, Outcome, PieceRecord
 from .config import SplitConfig, SplitConfigError
 from .ddp_mode import own_split
 from .explain import ExplainResult, explain
@@ -25,6 +25,7 @@ __all__ = [
     "DDPSplitBackend",
     "ExplainResult",
     "Failure",
+    "InnerFallbackWarning",
     "MissingExtra",
     "Outcome",
     "OverlapReport",

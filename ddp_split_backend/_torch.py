@@ -16,7 +16,7 @@ import copy
 import functools
 import importlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +27,7 @@ __all__ = [  # every name the package uses (tests/test_compile_stage.py checks t
     "CompileContext",
     "DDP_OPTIMIZER_MARK",
     "DIFFERENCES",
+    "DYNAMO_SIGNALS",
     "DispatchKey",
     "FakeTensor",
     "FakeTensorMode",
@@ -75,6 +76,7 @@ __all__ = [  # every name the package uses (tests/test_compile_stage.py checks t
     "exit_autocast",
     "exit_dual_level",
     "exit_inference_mode",
+    "float_symbols",
     "forget_compiles",
     "free_unbacked_symbols",
     "grapharg",
@@ -89,6 +91,8 @@ __all__ = [  # every name the package uses (tests/test_compile_stage.py checks t
     "list_backends",
     "lookup_backend",
     "nesting_pairs",
+    "only_float_symbols",
+    "on_lazy_backward_compile",
     "piece_tracing_context",
     "pytree",
     "queue_after_backward",
@@ -322,6 +326,15 @@ ShortenTraceback = _resolve(
     "torch._dynamo.exc.ShortenTraceback",
     "the one exception Dynamo passes on from a backend unwrapped (option errors reach the user as themselves)",
 )
+DYNAMO_SIGNALS: tuple[type[BaseException], ...] = (
+    _resolve(
+        "torch._dynamo.exc.RestartAnalysis",
+        "Dynamo's signal to re-trace the frame (TensorifyScalarRestartAnalysis from AOTAutograd's "
+        "scalar pass, and its siblings): passed on from a piece's compile, never a failure",
+    ),
+    _resolve("torch._dynamo.exc.SkipFrame", "Dynamo's signal to leave the frame to eager: passed on, never a failure"),
+)
+"""Exceptions Dynamo raises as control flow, not errors (Note [Dynamo's signals] in guards.py)."""
 TracingContext = _resolve("torch._guards.TracingContext", "AOT fw_metadata stack and fakify_first_call")
 CompileContext = _resolve("torch._guards.CompileContext", "Dynamo's compile id for log lines")
 detect_fake_mode = _resolve("torch._guards.detect_fake_mode", "the fake mode Dynamo traced with")
@@ -439,6 +452,74 @@ def backward_compiled_with_forward() -> contextlib.AbstractContextManager[Any]:
 _default_store = _resolve(
     "torch.distributed.distributed_c10d._get_default_store", "ranks share min_piece_mb='auto''s grouping"
 )
+
+
+_symbol_is_type = _resolve("torch.utils._sympy.symbol.symbol_is_type", "tells float symbols from size symbols")
+_SYMBOL_FLOAT = _resolve("torch.utils._sympy.symbol.SymT.FLOAT", "the kind of a Python float's symbol")
+
+
+def float_symbols(value: Any) -> frozenset[Any]:
+    """The float symbols (a Python float Dynamo traced as a symbol) ``value`` depends on."""
+    if not isinstance(value, torch.SymFloat):
+        return frozenset()
+    return frozenset(s for s in value.node.expr.free_symbols if _symbol_is_type(s, _SYMBOL_FLOAT))
+
+
+@contextlib.contextmanager
+def only_float_symbols(fake_mode: Any, keep: frozenset[Any]) -> Iterator[None]:
+    """While the body runs, the frame's shape environment shows no backed float symbol but
+    ``keep`` (Note [Python floats in pieces] in compile.py): AOTAutograd's pass that turns
+    floats into tensor math asks Dynamo to re-trace the frame, specialising each backed float
+    symbol of the environment that the graph it compiles did not use."""
+    shape_env = getattr(fake_mode, "shape_env", None)
+    if shape_env is None:
+        yield
+        return
+    table = shape_env.backed_var_to_val if "backed_var_to_val" in vars(shape_env) else shape_env.var_to_val
+    hidden = {k: v for k, v in table.items() if k not in keep and _symbol_is_type(k, _SYMBOL_FLOAT)}
+    for k in hidden:
+        del table[k]
+    try:
+        yield
+    finally:
+        table.update(hidden)
+
+
+_differs(
+    "Where the shape environment keeps its symbols' values",
+    "2.11, 2.12: ShapeEnv.var_to_val; 2.13+: ShapeEnv.backed_var_to_val (var_to_val a deprecated alias)",
+    "only_float_symbols uses whichever the environment holds",
+)
+
+
+_callback_handler = _resolve(
+    "torch._dynamo.callback.callback_handler",
+    "start/end callbacks around the backward compile AOTAutograd defers to the first backward",
+)
+_LAZY_BACKWARD = _resolve(
+    "torch._dynamo.callback.CallbackTrigger.LAZY_BACKWARD", "tells a lazy backward compile from Dynamo's own"
+)
+
+
+def on_lazy_backward_compile(started: Callable[[str], None], ended: Callable[[str], None]) -> None:
+    """Call ``started(compile_id)`` and ``ended(compile_id)`` around every backward compile
+    AOTAutograd defers to a graph's first backward (``compile_id``: the frame's, as
+    ``str(CompileContext.current_compile_id())`` gives it). Registers once; again after
+    ``torch._dynamo.reset()``, which drops every callback."""
+    if any(getattr(c, "_ddp_split_calls", None) is started for c in _callback_handler.start_callbacks):
+        return
+
+    def on_start(args: Any) -> None:
+        if args.callback_trigger is _LAZY_BACKWARD:
+            started(args.compile_id)
+
+    def on_end(args: Any) -> None:
+        if args.callback_trigger is _LAZY_BACKWARD:
+            ended(args.compile_id)
+
+    on_start._ddp_split_calls = started  # type: ignore[attr-defined]
+    _callback_handler.register_start_callback(on_start)
+    _callback_handler.register_end_callback(on_end)
 
 
 def default_store() -> Any:

@@ -15,7 +15,6 @@ import contextlib
 import dataclasses
 import functools
 import inspect
-import itertools
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -30,12 +29,13 @@ from .agree import agreed_grouping
 from .compile import CompiledPieces, InnerCompile, Outcome, PieceRecord, compile_pieces, compile_whole, copy_module
 from .config import BACKEND_NAME, BucketCaps, SplitConfig, SplitConfigError
 from .cost import device_rates, fixed_cost_s, node_backward_s
-from .diagnostics import log_compiled, show_summaries, summary_log
+from .diagnostics import log_backward_compiled, log_compiled, show_summaries, summary_log
+from .first_backward import BackwardCompile, forget_all, watch
 from .guards import preserve_global_state, track_state_calls
 from .inner import inner_compile, inductor_patches
 from .layout import GraphLayout, layout_graph
 from .params import ParamTable, find_params
-from .plan import BACKWARD_SHARE, PAYBACK_STEPS, BucketPlan, CostInputs, Payback, SplitPlan, plan_buckets
+from .plan import BACKWARD_SHARE, PAYBACK_STEPS, BucketPlan, CostInputs, GraphShare, Payback, SplitPlan, WholeReason, plan_buckets
 from .regroup import STEPS_BEFORE_REPLAN, Declined, Measurement, RegroupingCallable
 from .runtime import GuardedCallable, StitchedCallable
 from .split import SplitGraph, split_graph
@@ -53,6 +53,12 @@ class CompileRecord:
     pieces: tuple[PieceRecord, ...]
     times: StageTimes = field(default_factory=StageTimes)
     """Seconds spent in each stage of this graph's compile (plan, split, inner, ...)."""
+    compile_id: str | None = None
+    """Dynamo's id of the frame compile that made the graph (``1/0``: frame 1, first
+    compile), or ``None`` outside Dynamo; the id in ``plan.graph_name``."""
+    backward: BackwardCompile = field(default_factory=BackwardCompile)
+    """The backward compile AOTAutograd defers to the graph's first backward, filled in when
+    that backward has run (Note [The first backward's compile] in first_backward.py)."""
 
     @property
     def compiled_by(self) -> tuple[str, ...]:
@@ -82,9 +88,15 @@ def _user_fqn(name: str) -> str:
     return ".".join(part for part in name.split(".") if part != "_orig_mod")
 
 
-def _graph_name(index: int) -> str:
-    """``graph 3 [1/0]``: our count, and Dynamo's frame/recompile id when compiling under it."""
+def _compile_id() -> str | None:
+    """Dynamo's frame/recompile id of the graph being compiled (``1/0``), if under Dynamo."""
     compile_id = _torch.CompileContext.current_compile_id()
+    return None if compile_id is None else str(compile_id)
+
+
+def _graph_name(index: int) -> str:
+    """``graph 3 [1/0]``: our count, and Dynamo's compile id when compiling under it."""
+    compile_id = _compile_id()
     return f"graph {index} [{compile_id}]" if compile_id is not None else f"graph {index}"
 
 
@@ -152,6 +164,8 @@ def _plan_graph(
     plan = plan_buckets(
         layout, params, caps, graph_name=graph_name, min_piece_bytes=config.min_piece_bytes, costs=costs
     )
+    if plan.whole is None:  # a graph without backward sends nothing, whatever it holds
+        plan = dataclasses.replace(plan, share=_share(params, ddp_module))
     measures = measures and plan.whole is None and len(plan.buckets) > 1
     if measures:  # Note [Measuring the link]: compiled as the default compiles it until measured
         plan = dataclasses.replace(
@@ -159,6 +173,15 @@ def _plan_graph(
             sizing=None,
         )
     return _Planned(plan, layout, params, caps, ddp_module, costs, measures)
+
+
+def _share(params: ParamTable, ddp_module: torch.nn.Module | None) -> GraphShare | None:
+    """What part of ``ddp_module``'s gradients the graph holds, when not all of them."""
+    if ddp_module is None:
+        return None
+    ddp_bytes = sum(p.numel() * p.element_size() for p in _torch.ddp_reduced_params(ddp_module))
+    graph_bytes = sum(p.nbytes for p in params.params)
+    return GraphShare(graph_bytes, ddp_bytes) if graph_bytes < ddp_bytes else None
 
 
 def _measures_link(config: SplitConfig, ddp_module: torch.nn.Module | None, example_inputs: Sequence[Any]) -> bool:
@@ -331,7 +354,7 @@ class DDPSplitBackend:
         self.records: collections.deque[CompileRecord] = collections.deque(maxlen=keep_records)
         """The last graphs compiled, oldest first."""
         self._warned_ddp_optimizer = False
-        self._graph_count = itertools.count()
+        self._graphs = 0
         """Graphs compiled so far (``records`` keeps only the last ``keep_records``)."""
         self._configs: dict[str, tuple[SplitConfig, InnerCompile]] = {}
         """Validated configs and their inner backends, by options (see :meth:`_configured`)."""
@@ -354,7 +377,18 @@ class DDPSplitBackend:
             error.first_useful_frame = inspect.currentframe()
             raise error.with_traceback(None) from None
         show_summaries()
-        graph_name = _graph_name(next(self._graph_count))
+        compiled = self._compile(gm, example_inputs, config, inner, _graph_name(self._graphs))
+        self._graphs += 1  # not on a signal or failure (Note [Dynamo's signals] in guards.py)
+        return compiled
+
+    def _compile(
+        self,
+        gm: fx.GraphModule,
+        example_inputs: Sequence[Any],
+        config: SplitConfig,
+        inner: InnerCompile,
+        graph_name: str,
+    ) -> Callable[..., Any]:
         times = StageTimes()
 
         if _torch.is_ddp_optimizer_piece(gm):
@@ -445,9 +479,10 @@ class DDPSplitBackend:
         the last reset (it calls ``reset()`` on each one it cached), so a reset starts the
         backend as a fresh process would."""
         self.records.clear()
-        self._graph_count = itertools.count()
+        self._graphs = 0
         self._warned_ddp_optimizer = False
         self._configs.clear()
+        forget_all()
 
     def _finish(
         self,
@@ -462,7 +497,12 @@ class DDPSplitBackend:
     ) -> Callable[..., Any]:
         """Record and log what was done (``recompiled``, ``then``: see
         :func:`diagnostics.summary_line`); wrap the callables for run time."""
-        record = CompileRecord(plan, compiled.records, times)
+        compile_id = _compile_id()
+        backward = (
+            BackwardCompile() if plan.whole is WholeReason.NO_BACKWARD
+            else watch(compile_id, functools.partial(log_backward_compiled, plan.graph_name))
+        )
+        record = CompileRecord(plan, compiled.records, times, compile_id, backward)
         self.records.append(record)
         log_compiled(plan, split, record.pieces, times, recompiled=recompiled, then=then)
         if split is not None:

@@ -22,6 +22,20 @@ ddp_split compiles each AOT piece under its own copy of the frame's context
 a piece's backward finds its own metadata whichever backward runs first, or never. Whether
 AOTAutograd ran is whether the piece's own context received metadata, and the metadata is
 checked to describe the piece (its inputs and outputs) before the piece is used.
+
+Note [Python floats in pieces]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Once a Python float that enters a frame changes value (a statistic read with ``.item()``
+before a graph break, then used in tensor math), Dynamo traces it as a float symbol of the
+frame's shape environment, and AOTAutograd's float pass turns its uses into tensor math.
+That pass assumes it compiles the frame's only graph: every backed float symbol of the
+environment that the graph it compiles did not use, it specialises and asks Dynamo to
+re-trace the frame (``TensorifyScalarRestartAnalysis``). Compiled piece by piece, every piece
+without the float would do so, and the frame would be recompiled for each new value of the
+float until Dynamo's recompile limit (torch's DDPOptimizer does exactly that). So each piece
+compiles with the environment showing only the float symbols the piece itself uses
+(``_torch.only_float_symbols``), and the planner never lets a float cross a cut
+(``AdjustReason.FLOAT_VALUE``): the float's uses are tensorified in the piece that reads it.
 """
 
 from __future__ import annotations
@@ -44,7 +58,17 @@ from .reuse import fresh_outputs, reusable_outputs, structure_key
 from .split import SplitGraph
 from .timing import StageTimes
 
-__all__ = ["CompiledPieces", "Failure", "MetadataMismatchError", "Outcome", "PieceRecord", "compile_pieces", "compile_whole", "copy_module"]
+__all__ = [
+    "CompiledPieces",
+    "Failure",
+    "InnerFallbackWarning",
+    "MetadataMismatchError",
+    "Outcome",
+    "PieceRecord",
+    "compile_pieces",
+    "compile_whole",
+    "copy_module",
+]
 
 CompilerFn = Callable[[fx.GraphModule, list[Any]], Callable[..., Any]]
 
@@ -119,6 +143,12 @@ class CompiledPieces:
     records: tuple[PieceRecord, ...]
     shareable: Mapping[tuple, _Reusable] = field(default_factory=dict)
     """The compiled pieces a later compile of the same graph may keep, by structure key."""
+
+
+class InnerFallbackWarning(UserWarning):
+    """The inner backend failed on a piece, which runs eagerly (``on_inner_failure="eager"``).
+    Its own category, so that a test suite or a training script can catch it, turn it into
+    an error or silence it without matching the message."""
 
 
 class MetadataMismatchError(RuntimeError):
@@ -202,7 +232,7 @@ class _Reusable:
     outputs: tuple[Any, ...]
 
 
-_USER_CODE_LEVEL = 5
+_USER_CODE_LEVEL = 6
 """The warning's ``stacklevel``: past _fallback, _compile_unit, compile_pieces (or
 compile_whole) and DDPSplitBackend.__call__, to the Dynamo frame that called the backend."""
 
@@ -216,6 +246,7 @@ def _fallback(gm: fx.GraphModule, index: int, count: int, inner: InnerCompile, e
     warnings.warn(
         f"ddp_split: inner backend {inner.name!r} failed on {where}; running it eagerly. "
         f"Error: {f'{type(error).__name__}: {error}'[:2000]}",
+        InnerFallbackWarning,
         stacklevel=_USER_CODE_LEVEL,
     )
     return track_state_calls(gm)
@@ -288,6 +319,12 @@ def _run_on_fakes(fn: Callable[..., Any], args: Sequence[Any], fake_mode: Any) -
         return list(fn(*args))
 
 
+def _float_symbols(gm: fx.GraphModule, args: Sequence[Any]) -> frozenset[Any]:
+    """The float symbols a piece uses (Note [Python floats in pieces])."""
+    values = [*args, *(n.meta.get("example_value") for n in gm.graph.nodes)]
+    return frozenset().union(*(_torch.float_symbols(v) for v in values))
+
+
 def compile_whole(
     gm: fx.GraphModule, example_inputs: Sequence[Any], inner: InnerCompile, times: StageTimes
 ) -> CompiledPieces:
@@ -354,7 +391,8 @@ def compile_pieces(
         else:
             _set_example_values(piece.gm, args)
             own_context = _torch.piece_tracing_context(context) if context is not None else None
-            with torch.set_grad_enabled(piece.grad):
+            floats = _float_symbols(piece.gm, args)
+            with torch.set_grad_enabled(piece.grad), _torch.only_float_symbols(fake_mode, floats):
                 unit = _compile_unit(
                     piece.gm, args, inner, index=piece.index, count=count, context=own_context,
                     fake_mode=fake_mode, times=times,

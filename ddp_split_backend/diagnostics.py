@@ -29,11 +29,12 @@ import torch.distributed as dist
 
 from . import _torch
 from .compile import Outcome, PieceRecord
+from .first_backward import BackwardCompile
 from .plan import TABLE_WIDTH, SplitPlan
 from .split import SplitGraph
 from .timing import StageTimes
 
-__all__ = ["log_compiled", "plan_to_dict", "show_summaries", "summary_log"]
+__all__ = ["log_backward_compiled", "log_compiled", "plan_to_dict", "show_summaries", "summary_log"]
 
 log = logging.getLogger("ddp_split")
 graph_log = logging.getLogger("ddp_split.graphs")
@@ -103,6 +104,15 @@ def summary_line(
     ) if part)
     done = f"compiled in {seconds:.1f} s" + (f" ({extra})" if extra else "") + (f"; {then}" if then else "")
     return f"ddp_split: {plan.graph_name}: {plan.summary()}; {done}"
+
+
+def log_backward_compiled(graph_name: str, backward: BackwardCompile) -> None:
+    """The line that completes a graph's compile time, after its first backward (Note [The
+    first backward's compile] in first_backward.py)."""
+    pieces = f"{backward.compiles} compile" + ("s" if backward.compiles != 1 else "")
+    summary_log.info(
+        "ddp_split: %s: backward compiled in %.1f s at the first backward (%s)", graph_name, backward.seconds, pieces
+    )
 
 
 def _compiled_by(pieces: Sequence[PieceRecord]) -> str:

@@ -178,11 +178,26 @@ def call_inner(inner: Callable[..., Any], gm: fx.GraphModule, args: list[Any]) -
     return Attempt(track_if_own_code(result.value, gm))
 
 
+# Note [Dynamo's signals]
+# -----------------------
+# Dynamo steers its own work with exceptions. Some reach a backend's compile from inside:
+# AOTAutograd's pass that turns Python floats into tensors raises
+# ``TensorifyScalarRestartAnalysis`` when a float it cannot turn must be specialised, asking
+# Dynamo to trace the frame again (a model that stores ``x.mean().item()`` on itself does
+# this). They are not failures: caught, they would leave the piece eager for the rest of the
+# run, and the frame would never be re-traced as Dynamo asked. So :func:`attempt` cleans up
+# after them as after a failure (the global state as it was before, the trace's frames
+# cleared) and raises them on, out of the backend; no record is kept of the compile they cut
+# short, as Dynamo calls the backend again with the new graph. The kinds are
+# ``_torch.DYNAMO_SIGNALS``.
+
+
 def attempt(fn: Callable[..., Any], *args: Any) -> Attempt:
     """``fn(*args)``; a failure is returned, not raised, with the global state as it was
     before (also state a failed trace leaked into frames that only die with its traceback,
     see :class:`AutogradCheckpoint`). The exception keeps its traceback; its frames are
-    cleared so that the failed trace's guards run now, not when the error is dropped."""
+    cleared so that the failed trace's guards run now, not when the error is dropped.
+    Dynamo's signals (Note [Dynamo's signals]) are raised on, after the same clean-up."""
     before = GlobalState.capture()
     dual_open = dual_level_open()
     with AutogradCheckpoint():
@@ -195,6 +210,8 @@ def attempt(fn: Callable[..., Any], *args: Any) -> Attempt:
         if not dual_open and dual_level_open():  # the failed trace entered a dual level
             _torch.c_exit_dual_level(level=0)
     before.restore()
+    if isinstance(failure, _torch.DYNAMO_SIGNALS):
+        raise failure
     return Attempt(error=failure)
 
 

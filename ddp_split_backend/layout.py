@@ -25,6 +25,10 @@ class AdjustReason(enum.Enum):
     OPAQUE_REGION = "inside a functorch transform, profiler range or unknown state region"
     NON_TENSOR_VALUE = "a non-tensor value (tuple or object) would cross the cut"
     DUAL_TENSOR = "a forward-AD dual tensor would cross the cut"
+    FLOAT_VALUE = (
+        "a Python float traced as a symbol would cross the cut (AOTAutograd turns it into "
+        "tensor math only inside the graph that reads it)"
+    )
     INFERENCE_INPUT = (
         "a value viewed inside an inference_mode region would become a piece input "
         "(AOTAutograd cannot trace views of inputs there)"
@@ -115,6 +119,7 @@ def layout_graph(gm: fx.GraphModule, ambient: Ambient) -> GraphLayout:
     live = [0] * (count + 2)
     odd = [0] * (count + 2)
     dual = [0] * (count + 2)
+    floats = [0] * (count + 2)
     inference_read = [0] * (count + 2)
     in_inference = [any(r.kind is StateKind.INFERENCE for r in s.regions) for s in states]
     make_dual, unpack = _torch.dual_makers, _torch.dual_unpackers
@@ -139,6 +144,9 @@ def layout_graph(gm: fx.GraphModule, ambient: Ambient) -> GraphLayout:
         if node in tainted:
             dual[i + 1] += 1
             dual[last + 1] -= 1
+        if isinstance(node.meta.get("example_value"), torch.SymFloat):
+            floats[i + 1] += 1
+            floats[last + 1] -= 1
         last_inference = max(
             (
                 index[u]
@@ -152,11 +160,12 @@ def layout_graph(gm: fx.GraphModule, ambient: Ambient) -> GraphLayout:
             inference_read[last_inference + 1] -= 1
 
     blocked: list[AdjustReason | None] = [None] * count
-    n_live = n_odd = n_dual = n_inference = 0
+    n_live = n_odd = n_dual = n_float = n_inference = 0
     for p in range(count):
         n_live += live[p]
         n_odd += odd[p]
         n_dual += dual[p]
+        n_float += floats[p]
         n_inference += inference_read[p]
         if p == 0:
             blocked[p] = AdjustReason.NO_OUTPUT
@@ -166,6 +175,8 @@ def layout_graph(gm: fx.GraphModule, ambient: Ambient) -> GraphLayout:
             blocked[p] = AdjustReason.NON_TENSOR_VALUE
         elif n_dual:
             blocked[p] = AdjustReason.DUAL_TENSOR
+        elif n_float:
+            blocked[p] = AdjustReason.FLOAT_VALUE
         elif n_inference:
             blocked[p] = AdjustReason.INFERENCE_INPUT
         elif not n_live:

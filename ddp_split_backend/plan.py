@@ -76,6 +76,7 @@ __all__ = [
     "BoundaryAdjustment",
     "BucketPlan",
     "CostInputs",
+    "GraphShare",
     "PAYBACK_STEPS",
     "Payback",
     "PiecePlan",
@@ -238,6 +239,28 @@ class Payback:
 
 
 @dataclass(frozen=True, slots=True)
+class GraphShare:
+    """How much of its DDP module's gradients a graph holds, when not all of them: a graph
+    break (or regional compilation) splits the model into several graphs, and DDP's buckets
+    then span graphs. This graph's buckets are counted from its own parameters alone."""
+
+    graph_bytes: int
+    """Bytes of the DDP-reduced parameters this graph holds."""
+    ddp_bytes: int
+    """Bytes of every parameter the DDP module reduces."""
+
+    def describe(self) -> str:
+        return (
+            f"holds {_mib(self.graph_bytes)} of the {_mib(self.ddp_bytes)} of gradients DDP reduces "
+            "(a graph break splits the model)"
+        )
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.3g} MiB"
+
+
+@dataclass(frozen=True, slots=True)
 class SplitPlan:
     """Where one Dynamo graph is cut. Returned by :func:`ddp_split_backend.plan_split`."""
 
@@ -261,6 +284,8 @@ class SplitPlan:
     payback: Payback | None = None
     """Set when a measured re-plan kept one piece per bucket because the faster grouping's
     compile would not pay for itself (:data:`PAYBACK_STEPS`)."""
+    share: GraphShare | None = None
+    """Set when the graph holds only part of its DDP module's gradients."""
 
     @property
     def pieces(self) -> tuple[PiecePlan, ...]:
@@ -297,6 +322,9 @@ class SplitPlan:
         pieces, buckets = _count(len(self.pieces), "piece"), len(self.buckets)
         if self.source != "ddp_split":
             return f"{pieces}, already cut by torch's DDPOptimizer"
+        if self.share is not None:
+            said = f"{pieces}; {self.share.describe()}"
+            return f"{said}: {self.whole.value}" if self.whole is not None else said
         said = f"{pieces} for {_count(buckets, 'DDP bucket')}"
         if self.whole is not None:
             return f"{said}: {self.whole.value}"

@@ -1,15 +1,17 @@
-"""Shared fixtures: Dynamo reset and config restore around every test, a world-of-1 gloo
-process group, and a counting inner compiler."""
+"""Shared fixtures: Dynamo reset and config restore around every test, no unexpected eager
+fallback, a world-of-1 gloo process group, and a counting inner compiler."""
 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from ddp_split_backend import InnerFallbackWarning
 from ddp_split_backend.guards import GlobalState
 
 from .helpers import CountingCompiler, free_port
@@ -31,6 +33,22 @@ def _fresh_dynamo() -> Iterator[None]:
         after = GlobalState.capture()
         before.restore()
         assert after == before, f"test left global state changed: {after} != {before}"
+
+
+@pytest.fixture(autouse=True)
+def _no_unexpected_fallback(request) -> Iterator[None]:
+    """Fail a test in which a piece fell back to eager unless it expected that: with
+    ``pytest.warns``/its own ``catch_warnings`` (which take the warning before it gets here) or
+    the ``expects_fallback`` marker. Other warnings are passed on to pytest."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", InnerFallbackWarning)
+        yield
+    fallbacks = [w for w in caught if issubclass(w.category, InnerFallbackWarning)]
+    for w in caught:
+        if not issubclass(w.category, InnerFallbackWarning):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+    if fallbacks and request.node.get_closest_marker("expects_fallback") is None:
+        pytest.fail("unexpected eager fallback:\n" + "\n".join(str(w.message)[:1000] for w in fallbacks))
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,19 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddp_split_backend import DDPSplitBackend, SplitConfig
 
 
+FALLBACK_MARK = "running it eagerly"
+"""In every ``InnerFallbackWarning``'s text: how a test of a subprocess's output finds one."""
+
+
+def assert_no_fallback(output: str, where: str = "") -> None:
+    """No piece fell back to eager in a subprocess whose ``output`` (stdout and stderr) this is
+    (the in-process tests are checked by conftest's ``_no_unexpected_fallback``)."""
+    lines = [line for line in output.splitlines() if FALLBACK_MARK in line and "ddp_split" in line]
+    assert not lines, f"unexpected eager fallback{' in ' + where if where else ''}:\n" + "\n".join(
+        line[:1000] for line in lines
+    )
+
+
 def free_port() -> int:
     """A free TCP port on 127.0.0.1 (the OS picks, so parallel runs do not collide)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -12,6 +12,7 @@ import multiprocessing as mp
 import os
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,11 +34,18 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, out: str, k
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
+    from ddp_split_backend import InnerFallbackWarning
+
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
-        result = fn(rank, world, **kwargs)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", InnerFallbackWarning)
+            result = fn(rank, world, **kwargs)
+        for w in caught:
+            print(warnings.formatwarning(w.message, w.category, w.filename, w.lineno), end="", flush=True)
+        fallbacks = [str(w.message) for w in caught if issubclass(w.category, InnerFallbackWarning)]
         dist.barrier()
-        payload = {"ok": True, "result": result}
+        payload = {"ok": True, "result": result, "fallbacks": fallbacks}
     except BaseException:
         payload = {"ok": False, "error": traceback.format_exc()}
     finally:
@@ -91,12 +99,15 @@ def run_ranks(
     world: int = 2,
     timeout: float = 300,
     grace: float = EXIT_GRACE_S,
+    expects_fallback: bool = False,
     **kwargs: Any,
 ) -> list[Any]:
     """``fn(rank, world, **kwargs)`` on every rank; returns each rank's result.
 
     Fails when a rank raises, does not finish within ``timeout`` seconds, does not exit
-    within ``grace`` seconds after writing its result, or exits with a non-zero code.
+    within ``grace`` seconds after writing its result, or exits with a non-zero code; and,
+    unless ``expects_fallback``, when a piece fell back to eager on a rank
+    (``InnerFallbackWarning``) without ``fn`` catching the warning itself.
     """
     ctx = mp.get_context("spawn")
     port = free_port()
@@ -117,5 +128,8 @@ def run_ranks(
         payload = torch.load(path, weights_only=False)
         assert payload["ok"], f"rank {r} failed:\n{payload['error']}"
         assert p.exitcode == 0, f"rank {r} exited with code {p.exitcode}:\n{_tail(tmp / f'rank{r}.log')}"
+        assert expects_fallback or not payload["fallbacks"], f"rank {r}: unexpected eager fallback:\n" + "\n".join(
+            m[:1000] for m in payload["fallbacks"]
+        )
         results.append(payload["result"])
     return results

@@ -12,6 +12,7 @@ import torch
 
 from ddp_split_backend import DDPSplitBackend, SplitConfig, explain
 
+from .helpers import assert_no_fallback
 from .models import MLP, StateRegions
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,8 +48,10 @@ torch.compile(Breaks(), backend=backend)(torch.randn(2, 64))
 
 def _run(env_extra: dict[str, str], script: str = SCRIPT) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), **env_extra}
-    return subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env,
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300, check=True)
+    assert_no_fallback(done.stdout + done.stderr)
+    return done
 
 
 def test_torch_logs_prints_fqn_bucket_table() -> None:

@@ -21,7 +21,7 @@ import ddp_split_backend
 from ddp_split_backend import OverlapReport, SplitConfigError, explain
 from ddp_split_backend.__main__ import main as cli
 
-from .helpers import free_port
+from .helpers import assert_no_fallback, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -51,9 +51,11 @@ def _run(command: list[str], cwd: Path, **env: str) -> subprocess.CompletedProce
     environ = {**os.environ, "OMP_NUM_THREADS": "1", **env}
     environ.pop("TORCH_LOGS", None)
     try:
-        return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=RUN_S, env=environ)
+        done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=RUN_S, env=environ)
     except subprocess.TimeoutExpired as error:
         pytest.fail(f"{command} did not return within {RUN_S} s:\n{error.stdout!r}\n{error.stderr!r}")
+    assert_no_fallback(done.stdout + done.stderr, " ".join(command))
+    return done
 
 
 @pytest.mark.multiprocess

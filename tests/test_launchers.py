@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .helpers import free_port
+from .helpers import assert_no_fallback, free_port
 
 pytestmark = pytest.mark.multiprocess
 
@@ -161,6 +161,7 @@ def wait_all(runs: list[tuple[subprocess.Popen, Path, list[Path]]], timeout: flo
             stop(proc)
     for proc, log, _ in runs:
         assert proc.returncode == 0, f"{log.name}: exit code {proc.returncode}\n{tail(log)}"
+        assert_no_fallback(log.read_text(errors="replace"), log.name)
 
 
 @pytest.mark.parametrize("launcher", sorted(LAUNCHERS))

@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_split_backend
 
+from .helpers import assert_no_fallback
 from .multiproc import run_ranks
 
 pytestmark = pytest.mark.multiprocess
@@ -107,4 +108,5 @@ def test_example_exits_every_time() -> None:
         walls.append(time.monotonic() - start)
         assert done.returncode == 0, f"run {run}: exit code {done.returncode}\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
         assert "loss: start" in done.stdout
+        assert_no_fallback(done.stdout + done.stderr, f"run {run}")
     print(f"\nexample runs: {len(walls)}, wall s: {', '.join(f'{w:.0f}' for w in walls)}")
