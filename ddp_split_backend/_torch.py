@@ -15,6 +15,7 @@ import contextlib
 import copy
 import functools
 import importlib
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -78,6 +79,7 @@ __all__ = [  # every name the package uses (tests/test_compile_stage.py checks t
     "exit_inference_mode",
     "float_symbols",
     "forget_compiles",
+    "frame_compile_seconds",
     "free_unbacked_symbols",
     "grapharg",
     "inductor_config",
@@ -475,7 +477,7 @@ def only_float_symbols(fake_mode: Any, keep: frozenset[Any]) -> Iterator[None]:
     if shape_env is None:
         yield
         return
-    table = shape_env.backed_var_to_val if "backed_var_to_val" in vars(shape_env) else shape_env.var_to_val
+    table = shape_env.backed_var_to_val
     hidden = {k: v for k, v in table.items() if k not in keep and _symbol_is_type(k, _SYMBOL_FLOAT)}
     for k in hidden:
         del table[k]
@@ -485,11 +487,17 @@ def only_float_symbols(fake_mode: Any, keep: frozenset[Any]) -> Iterator[None]:
         table.update(hidden)
 
 
-_differs(
-    "Where the shape environment keeps its symbols' values",
-    "2.11, 2.12: ShapeEnv.var_to_val; 2.13+: ShapeEnv.backed_var_to_val (var_to_val a deprecated alias)",
-    "only_float_symbols uses whichever the environment holds",
-)
+_metrics_context = _resolve("torch._dynamo.utils.get_metrics_context", "when Dynamo began compiling the frame")
+
+
+def frame_compile_seconds() -> float | None:
+    """Seconds since Dynamo began compiling the current frame (its trace, and the attempts a
+    restart signal cut short), or ``None`` outside a frame compile."""
+    context = _metrics_context()
+    start = getattr(context, "_start_time_ns", 0)
+    if not context.in_progress() or not start:
+        return None
+    return (time.time_ns() - start) / 1e9
 
 
 _callback_handler = _resolve(

@@ -377,7 +377,8 @@ class DDPSplitBackend:
             error.first_useful_frame = inspect.currentframe()
             raise error.with_traceback(None) from None
         show_summaries()
-        compiled = self._compile(gm, example_inputs, config, inner, _graph_name(self._graphs))
+        traced = _torch.frame_compile_seconds()
+        compiled = self._compile(gm, example_inputs, config, inner, _graph_name(self._graphs), traced)
         self._graphs += 1  # not on a signal or failure (Note [Dynamo's signals] in guards.py)
         return compiled
 
@@ -388,8 +389,9 @@ class DDPSplitBackend:
         config: SplitConfig,
         inner: InnerCompile,
         graph_name: str,
+        traced: float | None,
     ) -> Callable[..., Any]:
-        times = StageTimes()
+        times = StageTimes(traced=traced)
 
         if _torch.is_ddp_optimizer_piece(gm):
             self._warn_ddp_optimizer()

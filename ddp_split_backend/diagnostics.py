@@ -88,10 +88,10 @@ def show_summaries() -> None:
 
 
 def summary_line(
-    plan: SplitPlan, pieces: Sequence[PieceRecord], seconds: float, *, recompiled: bool = True, then: str = ""
+    plan: SplitPlan, pieces: Sequence[PieceRecord], times: StageTimes, *, recompiled: bool = True, then: str = ""
 ) -> str:
-    """``ddp_split: graph 0 [0/0]: 7 pieces for 7 DDP buckets (one per bucket); compiled in
-    3.1 s (4 reused)``, then ``; {then}``. ``recompiled=False``: a re-plan that kept the
+    """``ddp_split: graph 0 [0/0]: 7 pieces for 7 DDP buckets (one per bucket); traced in 0.4 s,
+    compiled in 3.1 s (4 reused)``, then ``; {then}``. ``recompiled=False``: a re-plan that kept the
     pieces already compiled."""
     if not recompiled:
         return f"ddp_split: {plan.graph_name}: {plan.summary()}; kept as compiled, nothing recompiled"
@@ -102,7 +102,8 @@ def summary_line(
         f"{outcomes[Outcome.EAGER_FALLBACK]} eager after the inner backend failed"
         if outcomes[Outcome.EAGER_FALLBACK] else "",
     ) if part)
-    done = f"compiled in {seconds:.1f} s" + (f" ({extra})" if extra else "") + (f"; {then}" if then else "")
+    traced = f"traced in {times.traced:.1f} s, " if times.traced is not None else ""
+    done = f"{traced}compiled in {times.total:.1f} s" + (f" ({extra})" if extra else "") + (f"; {then}" if then else "")
     return f"ddp_split: {plan.graph_name}: {plan.summary()}; {done}"
 
 
@@ -149,7 +150,7 @@ def log_compiled(
 ) -> None:
     """Log and trace what the backend did with one graph (``recompiled``, ``then``: see
     :func:`summary_line`)."""
-    summary_log.info("%s", summary_line(plan, pieces, times.total, recompiled=recompiled, then=then))
+    summary_log.info("%s", summary_line(plan, pieces, times, recompiled=recompiled, then=then))
     if log.isEnabledFor(logging.INFO):
         details = (f"compiled by: {_compiled_by(pieces)}", f"compile {times.describe()}")
         wrapped = (textwrap.fill(d, TABLE_WIDTH, initial_indent="  ", subsequent_indent="    ") for d in details)

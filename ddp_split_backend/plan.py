@@ -250,10 +250,8 @@ class GraphShare:
     """Bytes of every parameter the DDP module reduces."""
 
     def describe(self) -> str:
-        return (
-            f"holds {_mib(self.graph_bytes)} of the {_mib(self.ddp_bytes)} of gradients DDP reduces "
-            "(a graph break splits the model)"
-        )
+        held = _mib(self.graph_bytes) if self.graph_bytes else "none"
+        return f"holds {held} of the {_mib(self.ddp_bytes)} of gradients DDP reduces (a graph break splits the model)"
 
 
 def _mib(nbytes: int) -> str:

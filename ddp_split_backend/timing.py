@@ -5,7 +5,8 @@ pristine copy of each piece kept for an eager fallback), ``inner`` (the inner ba
 compile of each piece's forward; AOTAutograd compiles backward later, on the first backward),
 ``fake_run`` (running compiled pieces once on fake inputs for their output metadata) and
 ``reuse`` (structure keys and fresh fake outputs of shared pieces). ``ours`` is everything
-but ``inner``.
+but ``inner``. ``traced`` is Dynamo's time on the frame before it called the backend (its
+trace, and attempts a restart signal cut short), not a stage of ours.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ class StageTimes:
     """Seconds per stage of one graph's compile."""
 
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
+    traced: float | None = None
+    """Seconds Dynamo spent on the frame before calling the backend; ``None`` outside Dynamo."""
 
     @contextlib.contextmanager
     def measure(self, stage: str) -> Iterator[None]:

@@ -264,12 +264,17 @@ def main(argv: list[str] | None = None) -> None:
                 last_loss = loss
                 if step == 0:
                     first_loss = loss
+                    first_compiles = list(backend.records)  # what the first step compiled
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             seconds = trainers[0].step_times[-1]
             print(f"step {step:4d}  loss {last_loss:.4f}  {tokens_per_step / seconds:9.0f} tok/s  "
                   f"{seconds * 1000:7.1f} ms/step", flush=True)
 
     if rank == 0:
+        logged = sum((r.times.traced or 0.0) + r.times.total + r.backward.seconds for r in first_compiles)
+        first = trainers[0].step_times[0]
+        print(f"first step {first:.1f} s, of which the ddp_split lines above account for {logged:.1f} s "
+              f"({logged / first:.0%}: traced, compiled, backward compiled)")
         print(f"loss: start {first_loss:.4f} -> end {last_loss:.4f} "
               f"(uniform would be {math.log(data.vocab):.4f}); wall {time.perf_counter() - wall:.1f} s")
     watch.remove()  # closes the window: ddp_split logs its one-line summary (rank 0)
