@@ -104,10 +104,13 @@ def test_a_normal_run_says_once_per_graph_what_it_did(tmp_path: Path) -> None:
     done = _script_run(tmp_path, _TRAIN_AND_EVALUATE.format(logging="", after=""))
     assert done.returncode == 0, done.stderr[-3000:]
     lines = _ddp_split_lines(done.stderr)
-    assert len(lines) == 3, lines  # the training graph, the evaluation graph, the overlap window
-    training, overlap, evaluation = lines  # the eval forward closes the overlap window
+    # The training graph, its backward compile, the overlap window, the evaluation graph.
+    assert len(lines) == 4, lines
+    training, backward, overlap, evaluation = lines  # the eval forward closes the overlap window
     assert training.startswith("ddp_split: graph 0") and "4 pieces for 4 DDP buckets (one per bucket)" in training
-    assert "compiled in" in training and "(2 reused)" in training  # the middle two are the first's twin
+    assert "traced in" in training and "compiled in" in training
+    assert "(2 reused)" in training  # the middle two are the first's twin
+    assert backward.startswith("ddp_split: graph 0 [0/0]: backward compiled in") and "(2 compiles)" in backward
     assert "1 piece for 4 DDP buckets: grad is disabled throughout the graph" in evaluation
     assert "of the communication was hidden behind backward" in overlap
     assert all(len(line) <= 200 for line in lines), lines  # short lines, no tables
