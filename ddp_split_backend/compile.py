@@ -31,8 +31,8 @@ import enum
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -56,9 +56,6 @@ class Outcome(enum.Enum):
     """Compiled by the inner backend."""
     SHARED = "shared"
     """Uses the function compiled for an identical earlier piece (``shared_with``)."""
-    KEPT = "kept"
-    """A re-plan's piece identical to one of the first compile (``shared_with``, numbered as
-    in that compile): its function, compiled then, is kept."""
     EAGER_FALLBACK = "eager fallback"
     """The inner backend failed on it; the piece's FX code runs as Python."""
 
@@ -106,8 +103,6 @@ class PieceRecord:
         """``inductor``, ``inductor (same as piece 3)`` or ``eager (fallback)``."""
         if self.outcome is Outcome.SHARED:
             return f"{self.backend} (same as piece {self.shared_with})"
-        if self.outcome is Outcome.KEPT:
-            return f"{self.backend} (kept from the first compile)"
         if self.outcome is Outcome.EAGER_FALLBACK:
             return "eager (fallback)"
         return self.backend
@@ -117,8 +112,6 @@ class PieceRecord:
 class CompiledPieces:
     callables: tuple[Callable[..., Any], ...]
     records: tuple[PieceRecord, ...]
-    shareable: Mapping[tuple, _Reusable] = field(default_factory=dict)
-    """The compiled pieces a later compile of the same graph may keep, by structure key."""
 
 
 class MetadataMismatchError(RuntimeError):
@@ -305,7 +298,6 @@ def compile_pieces(
     times: StageTimes,
     *,
     reuse: bool = False,
-    keep: CompiledPieces | None = None,
 ) -> CompiledPieces:
     """Compile every piece of ``split`` with the inner backend, in order, on fake inputs.
 
@@ -316,8 +308,6 @@ def compile_pieces(
         times: where the seconds of each stage are added up.
         reuse: compile pieces with identical structure and input metadata once (see
             ``SplitConfig.reuse_identical_pieces``).
-        keep: an earlier compile of the same graph (a re-plan's first pieces): with
-            ``reuse``, a piece identical to one of its pieces keeps that piece's function.
 
     Returns:
         The callables, one per piece, and a record of how each was compiled.
@@ -336,21 +326,16 @@ def compile_pieces(
     callables: list[Callable[..., Any]] = []
     records: list[PieceRecord] = []
     reusable: dict[tuple, _Reusable] = {}
-    earlier = keep.shareable if keep is not None and reuse else {}
     count = len(split.pieces)
     for piece in split.pieces:
         args = [values[s] for s in piece.inputs]
         with times.measure("reuse"):
             key = structure_key(piece.gm, args, piece.grad) if reuse else None
             hit = reusable.get(key) if key is not None else None
-            kept = hit is None and key is not None and key in earlier
-            if kept:
-                hit = earlier[key]
             outputs = fresh_outputs(hit.outputs, fake_mode) if hit is not None else None
         if hit is not None:
             callables.append(hit.fn)
-            outcome = Outcome.KEPT if kept else Outcome.SHARED
-            records.append(PieceRecord(piece.index, outcome, inner.name, shared_with=hit.piece))
+            records.append(PieceRecord(piece.index, Outcome.SHARED, inner.name, shared_with=hit.piece))
         else:
             _set_example_values(piece.gm, args)
             own_context = _torch.piece_tracing_context(context) if context is not None else None
@@ -366,4 +351,4 @@ def compile_pieces(
                 reusable[key] = _Reusable(piece.index, unit.fn, tuple(outputs))
         for s, value in zip(piece.outputs, outputs):
             values[s] = value
-    return CompiledPieces(tuple(callables), tuple(records), reusable)
+    return CompiledPieces(tuple(callables), tuple(records))
