@@ -22,6 +22,17 @@ ddp_split compiles each AOT piece under its own copy of the frame's context
 a piece's backward finds its own metadata whichever backward runs first, or never. Whether
 AOTAutograd ran is whether the piece's own context received metadata, and the metadata is
 checked to describe the piece (its inputs and outputs) before the piece is used.
+
+Note [User hooks at compile time]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Nothing ddp_split runs while compiling may call the user's code: its pieces run on fake
+inputs (the compiled piece's first, fake call; an eager fallback's fake run; fresh outputs
+of shared pieces) and the inner backend traces them, all under whatever
+``torch.autograd.graph.saved_tensors_hooks`` the user's step has active. A pack hook that
+reads data (``t.cpu()``, ``.data_ptr()``, compression, offloading) raises on a fake tensor.
+So every compile here runs with saved-tensor hooks switched off the way Dynamo and torch's
+DDPOptimizer switch them off while tracing (``_torch.user_saved_tensor_hooks_off``); they
+stay registered, and the compiled pieces' real backward saves through them at run time.
 """
 
 from __future__ import annotations
@@ -285,9 +296,10 @@ def compile_whole(
     gm: fx.GraphModule, example_inputs: Sequence[Any], inner: InnerCompile, times: StageTimes
 ) -> CompiledPieces:
     """Compile ``gm`` as one piece (a one-bucket graph, or a piece DDPOptimizer cut)."""
-    unit = _compile_unit(
-        gm, list(example_inputs), inner, index=0, count=1, context=None, fake_mode=None, times=times
-    )
+    with _torch.user_saved_tensor_hooks_off():  # Note [User hooks at compile time]
+        unit = _compile_unit(
+            gm, list(example_inputs), inner, index=0, count=1, context=None, fake_mode=None, times=times
+        )
     return CompiledPieces((unit.fn,), (unit.record,))
 
 
@@ -312,6 +324,13 @@ def compile_pieces(
     Returns:
         The callables, one per piece, and a record of how each was compiled.
     """
+    with _torch.user_saved_tensor_hooks_off():  # Note [User hooks at compile time]
+        return _compile_in_order(split, example_inputs, inner, times, reuse)
+
+
+def _compile_in_order(
+    split: SplitGraph, example_inputs: Sequence[Any], inner: InnerCompile, times: StageTimes, reuse: bool
+) -> CompiledPieces:
     fake_mode = _torch.detect_fake_mode(example_inputs) or _torch.detect_fake_mode(
         [p.meta.get("example_value") for p in split.placeholders]
     )
