@@ -242,7 +242,7 @@ def _check_link(value: object, min_piece_mb: object) -> None:
                 "allreduce moves (got link_gbps=None): pieces are grouped against it, and nothing "
                 "at compile time can tell it. Pass e.g. link_gbps=10 (float('inf') for a free "
                 "link); ddp_split_backend.watch_overlap(ddp) measures it in your run and its "
-                "report prints 'link measured at ... GB/s'. Or leave min_piece_mb out for one "
+                "summary line ends 'link ... GB/s'. Or leave min_piece_mb out for one "
                 "piece per bucket."
             )
         return

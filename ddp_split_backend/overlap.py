@@ -187,8 +187,7 @@ class OverlapReport:
             f"ddp_split overlap, training forwards {self.steps[0].step}-{self.steps[-1].step}: "
             f"{1 - self.median_exposed_share:.0%} of the communication was hidden behind backward "
             f"({median.ready_before_end} of {len(median.buckets)} buckets sent before backward ended; "
-            f"{self.median_exposed_s * 1e3:.2f} ms exposed after it, median); "
-            f"link measured at {self.link_gbps:.3g} GB/s (min_piece_mb='auto' takes it as link_gbps)"
+            f"{self.median_exposed_s * 1e3:.2f} ms exposed, median); link {self.link_gbps:.3g} GB/s"
         )
 
     def table(self) -> str:
