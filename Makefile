@@ -41,7 +41,6 @@ $(BENCH_STAMP): $(STAMP)
 
 bench: $(BENCH_STAMP)
 	$(PY) benchmarks/step_overhead.py
-	$(PY) benchmarks/replan_cost.py --inner inductor
 	$(PY) benchmarks/warmup.py
 	$(PY) benchmarks/warmup.py --models transformer bn_cnn --modes ddp_split ddp_split_auto one_graph \
 		--slow-link-ms 2 --out benchmarks/results/warmup_user_models.json

@@ -538,8 +538,7 @@ def step_modes(args: argparse.Namespace) -> dict[str, Any]:
     with process_group("nccl" if device == "cuda" else "gloo"):
         modes = []
         for name in names:
-            # A piece per bucket: the default "auto" re-plans after its first steps for the
-            # link it measured then, while this part changes the link's speed after warm-up.
+            # A piece per bucket (the default): this part changes the link's speed after warm-up.
             options: dict[str, Any] = {"min_piece_mb": None}
             if name == "ddp_split_grouped":
                 options = {"min_piece_mb": total_bytes / MIB / 4}

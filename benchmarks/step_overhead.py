@@ -7,16 +7,16 @@ Two parts, each stepping every mode round-robin in one process (ratios within on
   1 MiB (32 buckets), a comm hook that completes at once, one thread. Per-step costs of
   pieces (autograd nodes, the inner backend's wrappers) show here, communication does not.
   Modes: eager DDP, one compiled graph (``optimize_ddp=False``, no split), DDPOptimizer, and
-  ddp_split with 1, 2, 4, 8 and 32 buckets per piece (``min_piece_mb``), with
-  ``min_piece_mb="auto"`` (``ddp_split_auto``), and with ``auto`` told the link is instant
-  (``ddp_split_auto_link@inf``, ``link_gbps=inf``); and torch's compiled autograd with
+  ddp_split with 1, 2, 4, 8 and 32 buckets per piece (``min_piece_mb``), and with
+  ``min_piece_mb="auto"`` told the link is instant (``ddp_split_auto_link@inf``,
+  ``link_gbps=inf``); and torch's compiled autograd with
   ``optimize_ddp="python_reducer"`` (``compiled_autograd``: backward traced whole, DDP's
   reducer in Python, the comm hook still called per bucket).
 * ``tradeoff``: 16 x Linear(1024) + GELU at batch 64, cap 4 MiB (16 buckets), and then the
   overhead model, with gradients sent over the simulated link of ``overlap.py`` at speeds set
   from the backward time measured at the start of the run (communication = 0.5 x and 2 x
-  backward) and at 1 GB/s. ddp_split with 1, 2, 4, 8 and 16 (32) buckets per piece, with
-  ``min_piece_mb="auto"`` (not told the link) and with ``auto`` told the link's speed
+  backward) and at 1 GB/s. ddp_split with 1, 2, 4, 8 and 16 (32) buckets per piece, and
+  ``min_piece_mb="auto"`` given the cell's own link speed as ``link_gbps``
   (``ddp_split_auto_link@<GB/s>``, built for each speed), against DDPOptimizer and eager DDP.
 
 Examples::
@@ -49,7 +49,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ddp_split_backend
 from _common import environment, free_port, own_code
 from ddp_split_backend import DDPSplitBackend, SplitConfig
-from ddp_split_backend.regroup import STEPS_BEFORE_REPLAN
 from overlap import HookState, Link, link_hook
 
 HERE = Path(__file__).resolve().parent
@@ -105,15 +104,8 @@ class Mode:
             return None
         return len(self.backend.records[-1].plan.pieces)
 
-    def replan_s(self) -> float | None:
-        """Seconds the re-plan of ``min_piece_mb="auto"`` spent (its recompile included)."""
-        if self.backend is None:
-            return None
-        return next((sum(r.times.seconds.values()) for r in self.backend.records
-                     if r.plan.graph_name.endswith("re-planned")), None)
-
     def sizing(self) -> str | None:
-        """What ``min_piece_mb="auto"`` predicted and measured, for its last plan."""
+        """What ``min_piece_mb="auto"`` predicted, for its last plan."""
         if self.backend is None or not self.backend.records or self.backend.records[-1].plan.sizing is None:
             return None
         return self.backend.records[-1].plan.sizing.describe()
@@ -131,8 +123,7 @@ def _min_piece_mb(work: Workload, group: int) -> float | None:
 def mode_names(work: Workload, compiled: bool) -> list[str]:
     names = ["eager_ddp"]
     if compiled:
-        names += ["one_graph", "ddp_optimizer", "compiled_autograd", *(f"ddp_split_x{g}" for g in work.groups),
-                  "ddp_split_auto"]
+        names += ["one_graph", "ddp_optimizer", "compiled_autograd", *(f"ddp_split_x{g}" for g in work.groups)]
     return names
 
 
@@ -142,8 +133,6 @@ AUTO_LINK = "ddp_split_auto_link"
 
 
 def _auto_options(name: str) -> dict[str, Any]:
-    if name == "ddp_split_auto":
-        return {"min_piece_mb": "auto"}
     return {"min_piece_mb": "auto", "link_gbps": float(name.split("@")[1])}
 
 
@@ -213,7 +202,6 @@ def summarize(modes: list[Mode]) -> dict[str, dict[str, Any]]:
             "pieces": m.pieces(),
             "min_ms": 1e3 * min(m.samples),
             "sizing": m.sizing(),
-            "replan_s": m.replan_s(),
         }
         for m in modes
     }
@@ -266,10 +254,9 @@ def run_tradeoff(work: Workload, inner: str, args: argparse.Namespace) -> dict[s
             return build(work, name, inner, link_hook, HookState(link, name, {}, record_params=False))
 
         try:
-            # Modes whose plan does not depend on the link are built once; ``auto`` measures
-            # the link in its first steps (and ``auto`` told is told it), so both are built
-            # again for every speed.
-            fixed = [built(name) for name in mode_names(work, compiled=True) if name != "ddp_split_auto"]
+            # Modes whose plan does not depend on the link are built once; ``auto`` is told
+            # each cell's link speed, so it is built again for every speed.
+            fixed = [built(name) for name in mode_names(work, compiled=True)]
             speeds = {"instant": math.inf}
             speeds.update({f"comm {r} x backward": grad_bytes / (r * backward) for r in args.comm_ratios})
             speeds["1 GB/s"] = 1e9
@@ -277,7 +264,7 @@ def run_tradeoff(work: Workload, inner: str, args: argparse.Namespace) -> dict[s
             for label, bandwidth in speeds.items():
                 link.bandwidth = bandwidth
                 told = f"{AUTO_LINK}@{bandwidth / 1e9:.6g}"  # auto, told this link's speed
-                here = [*fixed, built("ddp_split_auto"), built(told)]
+                here = [*fixed, built(told)]
                 round_robin(here, x, args.warmup, args.rounds, link.reset)
                 rows = summarize(here)
                 results[label] = {"bandwidth": bandwidth, "comm_ms": 1e3 * grad_bytes / bandwidth, "rows": rows}
@@ -332,20 +319,19 @@ def grid(record: dict[str, Any]) -> str:
     """The tradeoff part as one markdown table: step ms per mode (pieces in brackets), the
     best fixed grouping, and ``auto`` against it and against one piece per bucket."""
     head = ("model", "inner", "link", "eager DDP", "one graph", "DDPOptimizer", "compiled autograd",
-            "x1 (per bucket)", "best fixed", "auto", "auto told", "auto / best", "auto / x1")
+            "x1 (per bucket)", "best fixed", "auto (told the link)", "auto / best", "auto / x1")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for result in record["tradeoff"]:
         for label, speed in result["speeds"].items():
             rows = speed["rows"]
             fixed = {n: r for n, r in rows.items() if n.startswith("ddp_split_x")}
             best_name = min(fixed, key=lambda n: fixed[n]["step_ms"])
-            auto = rows["ddp_split_auto"]
-            told = next(r for n, r in rows.items() if n.startswith(AUTO_LINK))
+            auto = next(r for n, r in rows.items() if n.startswith(AUTO_LINK))
             cells = [
                 result["workload"]["name"], result["inner"], label,
                 *(_cell(rows[n]) if n in rows else "-" for n in ("eager_ddp", "one_graph", "ddp_optimizer", "compiled_autograd", "ddp_split_x1")),
                 f"{best_name.removeprefix('ddp_split_')}: {_cell(fixed[best_name])}",
-                _cell(auto), _cell(told),
+                _cell(auto),
                 f"{auto['step_ms'] / fixed[best_name]['step_ms']:.3f}",
                 f"{auto['step_ms'] / rows['ddp_split_x1']['step_ms']:.3f}",
             ]
@@ -385,8 +371,7 @@ def main() -> None:
     p.add_argument("--part", choices=("overhead", "tradeoff", "all"), default="all")
     p.add_argument("--inner", nargs="+", default=["aot_eager", "inductor"])
     p.add_argument("--comm-ratios", nargs="+", type=float, default=[0.5, 2.0])
-    p.add_argument("--warmup", type=int, default=STEPS_BEFORE_REPLAN + 3,
-                   help="steps per mode before timing (auto re-plans after STEPS_BEFORE_REPLAN)")
+    p.add_argument("--warmup", type=int, default=5, help="steps per mode before timing (compiles, DDP's bucket rebuild)")
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--out", type=Path, default=HERE / "results" / "step_overhead.json")
     p.add_argument("--picture", type=Path, default=HERE / "pieces_tradeoff.png")

@@ -4,7 +4,7 @@
 For each model and mode, a fresh subprocess (its own empty inductor cache, inductor's FX-graph
 and AOTAutograd caches off, one gloo rank, 2 threads) trains ``--steps`` SGD steps and then
 ``--steady`` more. *Warm-up* is the first steps' wall time less as many steady steps (the
-median): compiles, eager steps, measuring and re-plans together. Before the model, the
+median): compiles and the first, slower steps together. Before the model, the
 subprocess compiles a tiny unrelated function so that one-time costs (imports, inductor's
 worker pool) are not charged to the first mode. Modes are interleaved, ``--rounds`` times.
 
@@ -15,20 +15,19 @@ Models:
 * ``gpt2``: transformers' GPT-2 from a tiny config (6 layers, width 128), batch 8 x 64
   tokens, ``bucket_cap_mb=1`` (DDPOptimizer asserts on caps under its 1 MiB first bucket).
 * ``transformer`` and ``bn_cnn``: the models of a new user's scripts (issues 31-33; the
-  same classes as ``tests/test_replan_inductor.py``): two ``TransformerEncoderLayer`` under
+  classes ``EncoderBlock`` and ``ConvNet`` of ``tests/models.py``): two ``TransformerEncoderLayer`` under
   bf16 autocast, batch 4 x 8 x 64, and four Conv2d + BatchNorm2d on 4 x 3 x 16 x 16 images;
   ``bucket_cap_mb=0.02``. DDPOptimizer asserts on that cap, so it is left out for them.
 
 ``--slow-link-ms D`` completes every bucket's allreduce D ms late in every mode (the tests'
-``slow_allreduce``): with it ``min_piece_mb="auto"`` measures a link; its re-plan's seconds
-are printed (``re-plan``), whether it compiled a new grouping or kept the default's pieces
-(a grouping that would not pay for its compile within ``plan.PAYBACK_STEPS`` steps).
+``slow_allreduce``).
 
 Modes, each ``DDP(torch.compile(model, backend=...))``, inner backend inductor:
 
 * ``ddp_split``: ``backend="ddp_split"`` with default options (one piece per bucket),
   under ``own_split()``;
-* ``ddp_split_auto``: the same with ``options={"min_piece_mb": "auto"}``;
+* ``ddp_split_auto``: the same with ``options={"min_piece_mb": "auto", "link_gbps": G}``
+  (``--link-gbps G``, default 1);
 * ``ddp_optimizer``: ``backend="inductor"``, torch's DDPOptimizer (``optimize_ddp=True``);
 * ``one_graph``: ``backend="inductor"`` with ``optimize_ddp=False``.
 
@@ -37,7 +36,7 @@ Example::
     .venv/bin/python benchmarks/warmup.py                    # both models, 2 rounds (~12 min)
     .venv/bin/python benchmarks/warmup.py --models gpt2 --rounds 1
     .venv/bin/python benchmarks/warmup.py --models transformer bn_cnn --modes ddp_split ddp_split_auto \
-        one_graph --slow-link-ms 2 --rounds 1         # the re-plan's compile on a new user's models
+        one_graph --slow-link-ms 2 --rounds 1         # a new user's models
 """
 
 from __future__ import annotations
@@ -73,10 +72,10 @@ def _model(name: str) -> tuple[torch.nn.Module, Any, float]:
         return ResidualStack(48, 512), lambda m, step: m(x).pow(2).mean(), 1.0
     sys.path.insert(0, str(HERE.parent))
     if name in ("transformer", "bn_cnn"):
-        from tests.test_replan_inductor import Block, ConvNet
+        from tests.models import ConvNet, EncoderBlock
 
         x = torch.randn(4, 8, 64) if name == "transformer" else torch.randn(4, 3, 16, 16)
-        return (Block() if name == "transformer" else ConvNet()), lambda m, step: m(x).square().mean(), 0.02
+        return (EncoderBlock() if name == "transformer" else ConvNet()), lambda m, step: m(x).square().mean(), 0.02
     from tests.torchvision_cpu import define_torchvision_operators
 
     define_torchvision_operators()  # transformers imports torchvision, a CUDA build beside CPU torch 2.13
@@ -87,7 +86,7 @@ def _model(name: str) -> tuple[torch.nn.Module, Any, float]:
     return GPT2LMHeadModel(config), lambda m, step: m(input_ids=tokens, labels=tokens).loss, 1.0
 
 
-def _worker(mode: str, model_name: str, steps: int, steady: int, slow_link_ms: float) -> dict[str, Any]:
+def _worker(mode: str, model_name: str, steps: int, steady: int, slow_link_ms: float, link_gbps: float) -> dict[str, Any]:
     torch._inductor.config.fx_graph_cache = False
     if hasattr(torch._functorch.config, "enable_autograd_cache"):
         torch._functorch.config.enable_autograd_cache = False
@@ -101,7 +100,7 @@ def _worker(mode: str, model_name: str, steps: int, steady: int, slow_link_ms: f
     torch.manual_seed(0)
     model, loss_of, cap = _model(model_name)
     if mode.startswith("ddp_split"):
-        options = {"min_piece_mb": "auto"} if mode == "ddp_split_auto" else {}
+        options = {"min_piece_mb": "auto", "link_gbps": link_gbps} if mode == "ddp_split_auto" else {}
         compiled = torch.compile(model, backend="ddp_split", options=options)
         context: Any = ddp_split_backend.own_split()
     else:
@@ -130,8 +129,6 @@ def _worker(mode: str, model_name: str, steps: int, steady: int, slow_link_ms: f
         "steady_step_s": steady_s,
         "warmup_s": sum(times[:steps]) - steps * steady_s,
         "plans": [(r.plan.graph_name, len(r.plan.pieces), len(r.plan.buckets)) for r in records],
-        "replan_s": [sum(r.times.seconds.values()) for r in records if r.plan.graph_name.endswith("re-planned")],
-        "replan_compiled": [r.times.seconds["inner"] > 0 for r in records if r.plan.graph_name.endswith("re-planned")],
     }
     ddp_split_backend.close_ddp(ddp)  # reducers before the group: Note [Teardown deadlock]
     return result
@@ -142,7 +139,8 @@ def run_mode(mode: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TORCHINDUCTOR_FX_GRAPH_CACHE="0",
                    TORCHINDUCTOR_AUTOGRAD_CACHE="0", OMP_NUM_THREADS="2")
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", mode, "--models", model,
-               "--steps", str(args.steps), "--steady", str(args.steady), "--slow-link-ms", str(args.slow_link_ms)]
+               "--steps", str(args.steps), "--steady", str(args.steady), "--slow-link-ms", str(args.slow_link_ms),
+               "--link-gbps", str(args.link_gbps)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"{mode}/{model} worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -152,7 +150,7 @@ def run_mode(mode: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def table(rows: dict[tuple[str, str], dict[str, Any]], models: list[str], modes: list[str]) -> str:
     lines = ["| model | mode | warm-up s (first steps - steady) | / one piece per bucket | / DDPOptimizer "
-             "| steady step ms | pieces | re-plan s |", "|---|---|---|---|---|---|---|---|"]
+             "| steady step ms | pieces |", "|---|---|---|---|---|---|---|"]
     for model in models:
         per_bucket = rows.get((model, "ddp_split"), {}).get("warmup_s")
         optimizer = rows.get((model, "ddp_optimizer"), {}).get("warmup_s")
@@ -160,12 +158,8 @@ def table(rows: dict[tuple[str, str], dict[str, Any]], models: list[str], modes:
             row = rows[(model, mode)]
             ratio = lambda base: f"{row['warmup_s'] / base:.2f}" if base else "-"  # noqa: E731
             pieces = ", ".join(str(p) for _, p, _ in row["plans"]) or "-"
-            compiled = row.get("replan_compiled") or [True] * len(row.get("replan_s", ()))
-            replans = ", ".join(
-                f"{s:.2f}" + ("" if new else " (kept)") for s, new in zip(row.get("replan_s", ()), compiled)
-            ) or "-"
             lines.append(f"| {model} | {mode} | {row['warmup_s']:.1f} | {ratio(per_bucket)} | {ratio(optimizer)} "
-                         f"| {1e3 * row['steady_step_s']:.1f} | {pieces} | {replans} |")
+                         f"| {1e3 * row['steady_step_s']:.1f} | {pieces} |")
     return "\n".join(lines)
 
 
@@ -178,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--slow-link-ms", type=float, default=0.0,
                         help="every bucket's allreduce completes this many ms late, in every mode")
+    parser.add_argument("--link-gbps", type=float, default=1.0, help="ddp_split_auto's link_gbps")
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--out", default=str(HERE / "results" / "warmup.json"))
     parser.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
@@ -187,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
 
         warnings.filterwarnings("ignore")
         with contextlib.redirect_stdout(sys.stderr):
-            result = _worker(args.worker, args.models[0], args.steps, args.steady, args.slow_link_ms)
+            result = _worker(args.worker, args.models[0], args.steps, args.steady, args.slow_link_ms, args.link_gbps)
         print("RESULT " + json.dumps(result), flush=True)
         return 0
     runs = []
@@ -198,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                 run["round"] = round_
                 runs.append(run)
                 print(f"[{round_}] {model:<9} {mode:<15} warm-up {run['warmup_s']:6.1f} s  steady "
-                      f"{1e3 * run['steady_step_s']:6.1f} ms  plans {run['plans']}  re-plan {run['replan_s']}",
+                      f"{1e3 * run['steady_step_s']:6.1f} ms  plans {run['plans']}",
                       flush=True)
     rows = {}
     for model in args.models:
@@ -208,8 +203,6 @@ def main(argv: list[str] | None = None) -> int:
                 "warmup_s": statistics.median(r["warmup_s"] for r in mine),
                 "steady_step_s": statistics.median(r["steady_step_s"] for r in mine),
                 "plans": mine[-1]["plans"],
-                "replan_s": [s for r in mine for s in r["replan_s"]],
-                "replan_compiled": [c for r in mine for c in r["replan_compiled"]],
             }
     text = table(rows, args.models, args.modes)
     print(text)

@@ -47,8 +47,6 @@ __all__ = [  # every name the package uses (tests/test_compile_stage.py checks t
     "aot_compiles_inference_mode_under_autograd",
     "aot_fw_metadata",
     "aot_metadata_counts",
-    "autograd_engine",
-    "backward_compiled_with_forward",
     "backward_reads_own_metadata",
     "c_enter_dual_level",
     "c_exit_dual_level",
@@ -57,10 +55,8 @@ __all__ = [  # every name the package uses (tests/test_compile_stage.py checks t
     "ddp_comm_hooks",
     "ddp_first_bucket_bytes",
     "ddp_ignored",
-    "ddp_rebuilds_buckets_later",
     "ddp_reduced_params",
     "default_first_bucket_bytes",
-    "default_store",
     "detect_fake_mode",
     "dispatch_exclude_set",
     "dispatch_include_set",
@@ -97,7 +93,6 @@ __all__ = [  # every name the package uses (tests/test_compile_stage.py checks t
     "on_lazy_backward_compile",
     "piece_tracing_context",
     "pytree",
-    "queue_after_backward",
     "record_function_enter",
     "record_function_exit",
     "record_function_pairs",
@@ -115,6 +110,7 @@ __all__ = [  # every name the package uses (tests/test_compile_stage.py checks t
     "trace_structured",
     "tracing",
     "unset_fake_mode",
+    "user_saved_tensor_hooks_off",
 ]
 
 SUPPORTED = "torch>=2.11,<2.16"
@@ -384,9 +380,6 @@ def size_hint(value: Any, fallback: int) -> int:
     return fallback if found is None else int(found)
 
 
-autograd_engine = _resolve(
-    "torch.autograd.variable.Variable._execution_engine", "min_piece_mb='auto' times DDP's communication after backward"
-)
 inductor_config = _lazy("torch._inductor.config", "checks inner_options keys and value types")
 inductor_list_options = _lazy("torch._inductor.list_options", "the valid inner_options keys")
 inductor_mode_options = _lazy("torch._inductor.list_mode_options", "what each torch.compile mode sets")
@@ -432,28 +425,29 @@ def backward_reads_own_metadata(context: Any) -> bool:
     return getattr(context, "ddp_optimizer_ctx", None) is None
 
 
+_saved_tensors_hooks_set_tracing = _resolve(
+    "torch._C._autograd._saved_tensors_hooks_set_tracing", "keeps users' pack hooks off fake runs and traces"
+)
+
+
+@contextlib.contextmanager
+def user_saved_tensor_hooks_off() -> Iterator[None]:
+    """While ddp_split runs or traces pieces on fake inputs, the user's
+    ``saved_tensors_hooks`` are not applied to what autograd saves (a pack hook that reads
+    data, ``t.cpu()`` or ``.data_ptr()``, would raise on a fake tensor). The hooks stay
+    registered and apply again at run time. The public ``disable_saved_tensors_hooks``
+    raises when hooks are active, so this is the tracing switch Dynamo itself uses."""
+    previous = _saved_tensors_hooks_set_tracing(True)
+    try:
+        yield
+    finally:
+        _saved_tensors_hooks_set_tracing(previous)
+
+
 def is_ddp_optimizer_piece(gm: fx.GraphModule) -> bool:
     """Whether torch's DDPOptimizer cut ``gm`` out of a larger graph."""
     reason = getattr(gm, "compile_subgraph_reason", None)
     return DDP_OPTIMIZER_MARK in str(getattr(reason, "reason", reason or ""))
-
-
-_functorch_config = _resolve("torch._functorch.config", "compiles a re-plan's backward with its forward")
-
-
-def backward_compiled_with_forward() -> contextlib.AbstractContextManager[Any]:
-    """AOTAutograd compiles each graph's backward together with its forward instead of at the
-    first backward, so that a backward the inner backend cannot compile fails while the
-    backend can still run that piece eagerly (used for ``min_piece_mb="auto"``'s re-plan,
-    which compiles in the middle of training)."""
-    if not hasattr(_functorch_config, "force_non_lazy_backward_lowering"):
-        return contextlib.nullcontext()
-    return _functorch_config.patch(force_non_lazy_backward_lowering=True)
-
-
-_default_store = _resolve(
-    "torch.distributed.distributed_c10d._get_default_store", "ranks share min_piece_mb='auto''s grouping"
-)
 
 
 _symbol_is_type = _resolve("torch.utils._sympy.symbol.symbol_is_type", "tells float symbols from size symbols")
@@ -530,21 +524,6 @@ def on_lazy_backward_compile(started: Callable[[str], None], ended: Callable[[st
     _callback_handler.register_end_callback(on_end)
 
 
-def default_store() -> Any:
-    """The key/value store every process of the job shares (made by ``init_process_group``)."""
-    return _default_store()
-
-
-def ddp_rebuilds_buckets_later(ddp: torch.nn.Module) -> bool:
-    """Whether ``ddp`` will still rebuild its buckets from the gradient order of a coming
-    synchronised backward: it has not yet, and it does at all (with ``static_graph=True``,
-    or without ``find_unused_parameters``; the reducer's rule). Read from the flag DDP's
-    forward sets once ``Reducer._rebuild_buckets`` has run."""
-    if getattr(ddp, "_has_rebuilt_buckets", True):
-        return False
-    return bool(getattr(ddp, "static_graph", False)) or not getattr(ddp, "find_unused_parameters", False)
-
-
 def ddp_reduced_params(ddp: torch.nn.Module) -> list[torch.Tensor]:
     """The parameters whose gradients ``ddp`` reduces: its module's trainable parameters,
     less the ones it was told to ignore."""
@@ -616,13 +595,6 @@ def ddp_ignored(param: torch.Tensor) -> bool:
 def ddp_comm_hooks(ddp: torch.nn.Module) -> tuple[Any, ...]:
     """The comm hooks registered on a DDP module (``ddp._comm_hooks``; DDP takes one)."""
     return tuple(getattr(ddp, "_comm_hooks", ()) or ())
-
-
-def queue_after_backward(callback: Callable[[], None]) -> None:
-    """Run ``callback`` when the running backward has finished, after the callbacks queued
-    before it (DDP queues its ``finalize_backward``, which waits for every bucket's
-    communication, once the last bucket is ready)."""
-    autograd_engine.queue_callback(callback)
 
 
 def dynamo_source(node: fx.Node) -> Any:

@@ -11,11 +11,9 @@ Example::
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import functools
 import inspect
-import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,18 +23,15 @@ import torch
 import torch.fx as fx
 
 from . import _torch
-from .agree import agreed_grouping
-from .compile import CompiledPieces, InnerCompile, Outcome, PieceRecord, compile_pieces, compile_whole, copy_module
-from .config import BACKEND_NAME, BucketCaps, SplitConfig, SplitConfigError
+from .compile import CompiledPieces, InnerCompile, Outcome, PieceRecord, compile_pieces, compile_whole
+from .config import BACKEND_NAME, SplitConfig, SplitConfigError
 from .cost import device_rates, fixed_cost_s, node_backward_s
-from .diagnostics import log_backward_compiled, log_compiled, show_summaries, summary_log
+from .diagnostics import log_backward_compiled, log_compiled, show_summaries
 from .first_backward import BackwardCompile, forget_all, watch
-from .guards import preserve_global_state, track_state_calls
-from .inner import inner_compile, inductor_patches
+from .inner import inner_compile
 from .layout import GraphLayout, layout_graph
 from .params import ParamTable, find_params
-from .plan import BACKWARD_SHARE, PAYBACK_STEPS, BucketPlan, CostInputs, GraphShare, Payback, SplitPlan, WholeReason, plan_buckets
-from .regroup import STEPS_BEFORE_REPLAN, Declined, Measurement, RegroupingCallable
+from .plan import BucketPlan, CostInputs, GraphShare, SplitPlan, WholeReason, plan_buckets
 from .runtime import GuardedCallable, StitchedCallable
 from .split import SplitGraph, split_graph
 from .state import Ambient, classify
@@ -117,25 +112,19 @@ def plan_split(
         ddp_module: the DDP module the graph runs under (default: the active one, if any).
 
     Returns:
-        The :class:`SplitPlan`. With ``min_piece_mb="auto"`` (the default) and no
-        ``link_gbps`` this is the static estimate, as if under DDP with communication as long
-        as backward: nothing is measured here.
+        The :class:`SplitPlan`: the one the backend compiles with the same ``config``. With
+        the default ``min_piece_mb=None`` one piece per bucket; with ``min_piece_mb="auto"``
+        the grouping predicted fastest over the given ``link_gbps``. Nothing is measured.
     """
-    return _plan_graph(gm, example_inputs, config or SplitConfig(), ddp_module, graph_name, measure=False).plan
+    return _plan_graph(gm, example_inputs, config or SplitConfig(), ddp_module, graph_name).plan
 
 
 @dataclass(frozen=True, slots=True)
 class _Planned:
-    """A graph's plan and what it was made from (a later re-plan starts from it)."""
+    """A graph's plan and the layout it was made from (the split needs it)."""
 
     plan: SplitPlan
     layout: GraphLayout
-    params: ParamTable
-    caps: BucketCaps
-    ddp_module: torch.nn.Module | None
-    costs: CostInputs | None
-    measures_link: bool
-    """Compiled one piece per bucket until the first steps were measured (Note [Measuring the link])."""
 
 
 def _plan_graph(
@@ -144,35 +133,22 @@ def _plan_graph(
     config: SplitConfig,
     ddp_module: torch.nn.Module | None,
     graph_name: str,
-    *,
-    measure: bool = True,
 ) -> _Planned:
-    """The plan of one graph. ``measure``: for the backend's own run (``min_piece_mb="auto"``
-    measures under DDP, and without DDP has nothing to send); ``False`` for ``plan_split``,
-    which plans as if under DDP and measures nothing."""
+    """The plan of one graph: a function of the graph, its parameters and the options only
+    (every rank derives the same one alone). The grouping search runs only for
+    ``min_piece_mb="auto"``."""
     ddp_module = ddp_module if ddp_module is not None else _torch.active_ddp_module()
     names, ignored = _ddp_names(ddp_module)
     layout = layout_graph(gm, Ambient.capture())
     params = find_params(gm, layout.nodes, example_inputs, names=names, ddp_ignored=ignored)
-    caps = config.caps(ddp_module)
-    measures = measure and _measures_link(config, ddp_module, example_inputs)
-    costs = (
-        _cost_inputs(gm, layout, example_inputs, config, measure and ddp_module is None, measures)
-        if config.sized_by_cost
-        else None
-    )
+    costs = _cost_inputs(gm, layout, example_inputs, config) if config.sized_by_cost else None
     plan = plan_buckets(
-        layout, params, caps, graph_name=graph_name, min_piece_bytes=config.min_piece_bytes, costs=costs
+        layout, params, config.caps(ddp_module), graph_name=graph_name, min_piece_bytes=config.min_piece_bytes,
+        costs=costs,
     )
     if plan.whole is None:  # a graph without backward sends nothing, whatever it holds
         plan = dataclasses.replace(plan, share=_share(params, ddp_module))
-    measures = measures and plan.whole is None and len(plan.buckets) > 1
-    if measures:  # Note [Measuring the link]: compiled as the default compiles it until measured
-        plan = dataclasses.replace(
-            plan.regrouped(range(len(plan.buckets)), f"measured in its first {STEPS_BEFORE_REPLAN} training steps"),
-            sizing=None,
-        )
-    return _Planned(plan, layout, params, caps, ddp_module, costs, measures)
+    return _Planned(plan, layout)
 
 
 def _share(params: ParamTable, ddp_module: torch.nn.Module | None) -> GraphShare | None:
@@ -184,142 +160,17 @@ def _share(params: ParamTable, ddp_module: torch.nn.Module | None) -> GraphShare
     return GraphShare(graph_bytes, ddp_bytes) if graph_bytes < ddp_bytes else None
 
 
-def _measures_link(config: SplitConfig, ddp_module: torch.nn.Module | None, example_inputs: Sequence[Any]) -> bool:
-    """Whether ``min_piece_mb="auto"`` measures the first steps (Note [Measuring the link]):
-    not when told the link, without DDP (nothing to send), with dynamic shapes (a later
-    compile could not add guards) or CUDA graphs (recorded once, kept)."""
-    if not config.sized_by_cost or config.link_gbps is not None or ddp_module is None:
-        return False
-    if any(_symbolic(v) for v in example_inputs):
-        return False
-    return not inductor_patches(config.mode, config.inner_options).get("triton.cudagraphs", False)
-
-
-def _symbolic(value: Any) -> bool:
-    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return True
-    return isinstance(value, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in value.shape)
-
-
 def _cost_inputs(
-    gm: fx.GraphModule,
-    layout: GraphLayout,
-    example_inputs: Sequence[Any],
-    config: SplitConfig,
-    nothing_to_send: bool,
-    measures: bool,
+    gm: fx.GraphModule, layout: GraphLayout, example_inputs: Sequence[Any], config: SplitConfig
 ) -> CostInputs:
-    """What ``min_piece_mb="auto"`` groups by (Note [Piece cost model] in cost.py).
-    ``nothing_to_send``: compiled for a run without DDP (``plan_split`` plans as if under it)."""
+    """What ``min_piece_mb="auto"`` groups by (Note [Piece cost model] in cost.py)."""
+    assert config.link_gbps is not None  # SplitConfig requires it with "auto"
     device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
-    if measures:  # the first grouping's sizing is replaced by one piece per bucket until measured
-        link, source = math.inf, "not measured yet"
-    elif nothing_to_send and config.link_gbps is None:
-        link, source = math.inf, "no DDP module: nothing to send"
-    else:
-        link, source = (None if config.link_gbps is None else config.link_gbps * 1e9), None
     return CostInputs(
         node_backward_s=node_backward_s(layout.nodes, gm, device_rates(device)),
         fixed_s=fixed_cost_s(config.inner),
-        link_bytes_per_s=link,
-        link_source=source,
+        link_bytes_per_s=config.link_gbps * 1e9,
     )
-
-
-@dataclass(frozen=True, slots=True)
-class _Deferred:
-    """What a graph measured before re-planning needs then (kept until it re-planned)."""
-
-    gm: fx.GraphModule
-    example_inputs: Sequence[Any]
-    """The frame's fake inputs (never the real ones: the first batch would be kept alive)."""
-    planned: _Planned
-    """Without its DDP module (the measuring window holds that weakly)."""
-    config: SplitConfig
-    inner: InnerCompile
-    context: Any
-    """Dynamo's tracing context of the frame (its fake mode and guards), or ``None``."""
-    split: SplitGraph
-    compiled: CompiledPieces
-    """The pieces, one per bucket, as first compiled."""
-
-
-def _frame_fakes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[Any]:
-    """The frame's own fake value of each input (Dynamo's, with the frame's symbols), where
-    it recorded one; a later compile from them sees the sizes the frame's guards name."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    fakes = []
-    for node, example in zip(placeholders, example_inputs, strict=True):
-        value = node.meta.get("example_value")
-        fake = isinstance(value, _torch.FakeTensor) or not isinstance(example, torch.Tensor)
-        fakes.append(value if fake else example)
-    return fakes
-
-
-def _bucket_params(buckets: Sequence[frozenset[str]], ddp: torch.nn.Module) -> list[list[torch.Tensor]]:
-    """The parameters of ``ddp``'s module in each of the graph's buckets (by name)."""
-    inner = getattr(ddp, "module", ddp)
-    named = [(_user_fqn(name), p) for name, p in inner.named_parameters()]
-    return [[p for name, p in named if name in bucket] for bucket in buckets]
-
-
-def _measuring(
-    fn: Callable[..., Any], ddp: torch.nn.Module | None, deferred: _Deferred, replan: Callable[..., Any]
-) -> RegroupingCallable:
-    """``fn`` (the graph one piece per bucket) wrapped to measure its first steps and re-plan."""
-    assert ddp is not None  # only graphs under DDP are measured
-    buckets = deferred.planned.plan.buckets
-    copies_back = not getattr(ddp, "gradient_as_bucket_view", False)
-    eager = GuardedCallable(track_state_calls(copy_module(deferred.gm)), "eager (while DDP learns its bucket order)")
-    return RegroupingCallable(
-        fn, eager=eager, buckets_of=functools.partial(_bucket_params, tuple(frozenset(b.params) for b in buckets)),
-        bucket_bytes=tuple(b.nbytes for b in buckets), copies_back=copies_back, replan=replan,
-    )
-
-
-_BACKWARD_TOO = 2.0
-"""The inner backend's seconds at the first compile time forward only (AOTAutograd compiles
-backward at the first backward); a re-plan compiles both, taken as about as long again."""
-
-
-def _recompile_s(deferred: _Deferred, plan: SplitPlan) -> float:
-    """The estimated seconds of compiling ``plan``'s pieces: the first compile's lowest
-    seconds per node of a piece (the first piece of a process also pays one-time costs),
-    for the nodes of each distinct new piece (a piece whose buckets' first pieces were
-    compiled alike as another's is taken to be compiled once, as reuse does; with reuse, a
-    piece of one bucket keeps its first compile)."""
-    first, records = deferred.planned.plan, deferred.compiled.records
-    rates = [
-        r.seconds / p.node_count
-        for p, r in zip(first.pieces, records, strict=True)
-        if r.outcome is Outcome.COMPILED and p.node_count
-    ]
-    if not rates:
-        return 0.0
-    alike = [r.shared_with if r.outcome is Outcome.SHARED and r.shared_with is not None else r.piece for r in records]
-    groups: dict[int, list[int]] = {}
-    for index, bucket in enumerate(plan.buckets):
-        groups.setdefault(bucket.piece, []).append(index)
-    kept = deferred.config.reuse
-    distinct = {tuple(alike[i] for i in held): held for held in groups.values() if not (kept and len(held) == 1)}
-    nodes = sum(first.buckets[i].node_count for held in distinct.values() for i in held)
-    return _BACKWARD_TOO * min(rates) * nodes
-
-
-def _paid_back(plan: SplitPlan, deferred: _Deferred) -> SplitPlan:
-    """``plan``, or one piece per bucket (as compiled) when ``plan``'s predicted saving per
-    step would not pay for its compile within :data:`PAYBACK_STEPS` steps."""
-    count = len(plan.buckets)
-    if plan.sizing is None or len(plan.pieces) == count:
-        return plan
-    saving = plan.sizing.one_per_bucket_s - plan.sizing.predicted_s
-    compile_s = _recompile_s(deferred, plan)
-    if saving * PAYBACK_STEPS >= compile_s:
-        return plan
-    payback = Payback(len(plan.pieces), max(0.0, saving), compile_s)
-    sizing = dataclasses.replace(plan.sizing, predicted_s=plan.sizing.one_per_bucket_s)
-    buckets = tuple(dataclasses.replace(b, piece=i) for i, b in enumerate(plan.buckets))
-    return dataclasses.replace(plan, buckets=buckets, sizing=sizing, payback=payback)
 
 
 def _ddp_optimizer_piece_plan(gm: fx.GraphModule, config: SplitConfig, graph_name: str) -> SplitPlan:
@@ -406,61 +257,7 @@ class DDPSplitBackend:
         with times.measure("split"):
             split = split_graph(gm, planned.layout, plan.cuts)
         compiled = compile_pieces(split, example_inputs, inner, times, reuse=config.reuse)
-        if not planned.measures_link:
-            return self._finish(plan, split, gm, compiled, times)
-        measuring = f"re-planned once its first {STEPS_BEFORE_REPLAN} training steps are measured"
-        fn = self._finish(plan, split, gm, compiled, times, then=measuring)
-        deferred = _Deferred(
-            gm, _frame_fakes(gm, example_inputs), dataclasses.replace(planned, ddp_module=None), config, inner,
-            _torch.TracingContext.try_get(), split, compiled,
-        )
-        return _measuring(fn, planned.ddp_module, deferred, functools.partial(self._replan, deferred))
-
-    def _replan(
-        self, deferred: _Deferred, measured: Measurement | Declined, ddp: torch.nn.Module | None
-    ) -> Callable[..., Any] | None:
-        """Group the buckets by what the first steps measured (Note [Measuring the link] in
-        regroup.py), or by the static estimate when they could not be measured, as the first
-        rank of ``ddp``'s group did (Note [One plan for every rank] in agree.py): the new
-        pieces' callable, or ``None`` when the pieces as compiled (one per bucket) stay."""
-        planned, config = deferred.planned, deferred.config
-        assert planned.costs is not None  # measured graphs are sized by cost
-        times = StageTimes()
-        with times.measure("plan"):
-            if isinstance(measured, Measurement) and measured.partial and measured.worth_a_cut(planned.costs.fixed_s):
-                measured = Declined.PART_OF_THE_MODEL
-            if isinstance(measured, Declined):
-                summary_log.info("ddp_split: %s not measured, grouped by the static estimate: %s",
-                                 planned.plan.graph_name, measured.value)
-                costs = dataclasses.replace(
-                    planned.costs, link_bytes_per_s=None,
-                    link_source=f"not measured ({measured.value}); assumed as long as each bucket's backward",
-                )
-            else:
-                spans = [(b.start, b.stop) for b in planned.plan.buckets]
-                costs = measured.cost_inputs(planned.costs.node_backward_s, spans, planned.costs.fixed_s, BACKWARD_SHARE)
-            plan = plan_buckets(
-                planned.layout, planned.params, planned.caps, graph_name=f"{planned.plan.graph_name} re-planned",
-                costs=costs,
-            )
-            plan = _paid_back(plan, deferred)
-            grouping, leader = agreed_grouping(ddp, deferred.gm.code, [b.piece for b in plan.buckets])
-            if leader is not None:
-                plan = plan.regrouped(grouping, f"grouping of rank {leader}, which decides for every rank")
-        if len(plan.pieces) == len(plan.buckets):
-            self._finish(plan, deferred.split, deferred.gm, deferred.compiled, times, recompiled=False)
-            return None
-        with times.measure("split"):
-            split = split_graph(deferred.gm, planned.layout, plan.cuts)
-        context = _torch.tracing(deferred.context) if deferred.context is not None else contextlib.nullcontext()
-        pieces = f"{len(plan.pieces)} piece" + ("s" if len(plan.pieces) > 1 else "")
-        summary_log.info("ddp_split: %s: compiling %s for %d DDP buckets (training waits for it)",
-                         plan.graph_name, pieces, len(plan.buckets))
-        with context, preserve_global_state(), _torch.backward_compiled_with_forward():
-            compiled = compile_pieces(
-                split, deferred.example_inputs, deferred.inner, times, reuse=config.reuse, keep=deferred.compiled
-            )
-        return self._finish(plan, split, deferred.gm, compiled, times)
+        return self._finish(plan, split, gm, compiled, times)
 
     def _configured(self, options: Mapping[str, Any] | None, mode: str | None) -> tuple[SplitConfig, InnerCompile]:
         """The config for ``options`` overlaid on :attr:`config`, and its inner backend:
@@ -493,12 +290,8 @@ class DDPSplitBackend:
         gm: fx.GraphModule,
         compiled: CompiledPieces,
         times: StageTimes,
-        *,
-        recompiled: bool = True,
-        then: str = "",
     ) -> Callable[..., Any]:
-        """Record and log what was done (``recompiled``, ``then``: see
-        :func:`diagnostics.summary_line`); wrap the callables for run time."""
+        """Record and log what was done; wrap the callables for run time."""
         compile_id = _compile_id()
         backward = (
             BackwardCompile() if plan.whole is WholeReason.NO_BACKWARD
@@ -506,7 +299,7 @@ class DDPSplitBackend:
         )
         record = CompileRecord(plan, compiled.records, times, compile_id, backward)
         self.records.append(record)
-        log_compiled(plan, split, record.pieces, times, recompiled=recompiled, then=then)
+        log_compiled(plan, split, record.pieces, times)
         if split is not None:
             return StitchedCallable(split, compiled.callables, record.compiled_by)
         (fn,) = compiled.callables

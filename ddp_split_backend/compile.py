@@ -36,6 +36,17 @@ float until Dynamo's recompile limit (torch's DDPOptimizer does exactly that). S
 compiles with the environment showing only the float symbols the piece itself uses
 (``_torch.only_float_symbols``), and the planner never lets a float cross a cut
 (``AdjustReason.FLOAT_VALUE``): the float's uses are tensorified in the piece that reads it.
+
+Note [User hooks at compile time]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Nothing ddp_split runs while compiling may call the user's code: its pieces run on fake
+inputs (the compiled piece's first, fake call; an eager fallback's fake run; fresh outputs
+of shared pieces) and the inner backend traces them, all under whatever
+``torch.autograd.graph.saved_tensors_hooks`` the user's step has active. A pack hook that
+reads data (``t.cpu()``, ``.data_ptr()``, compression, offloading) raises on a fake tensor.
+So every compile here runs with saved-tensor hooks switched off the way Dynamo and torch's
+DDPOptimizer switch them off while tracing (``_torch.user_saved_tensor_hooks_off``); they
+stay registered, and the compiled pieces' real backward saves through them at run time.
 """
 
 from __future__ import annotations
@@ -45,8 +56,8 @@ import enum
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -80,9 +91,6 @@ class Outcome(enum.Enum):
     """Compiled by the inner backend."""
     SHARED = "shared"
     """Uses the function compiled for an identical earlier piece (``shared_with``)."""
-    KEPT = "kept"
-    """A re-plan's piece identical to one of the first compile (``shared_with``, numbered as
-    in that compile): its function, compiled then, is kept."""
     EAGER_FALLBACK = "eager fallback"
     """The inner backend failed on it; the piece's FX code runs as Python."""
 
@@ -130,8 +138,6 @@ class PieceRecord:
         """``inductor``, ``inductor (same as piece 3)`` or ``eager (fallback)``."""
         if self.outcome is Outcome.SHARED:
             return f"{self.backend} (same as piece {self.shared_with})"
-        if self.outcome is Outcome.KEPT:
-            return f"{self.backend} (kept from the first compile)"
         if self.outcome is Outcome.EAGER_FALLBACK:
             return "eager (fallback)"
         return self.backend
@@ -141,8 +147,6 @@ class PieceRecord:
 class CompiledPieces:
     callables: tuple[Callable[..., Any], ...]
     records: tuple[PieceRecord, ...]
-    shareable: Mapping[tuple, _Reusable] = field(default_factory=dict)
-    """The compiled pieces a later compile of the same graph may keep, by structure key."""
 
 
 class InnerFallbackWarning(UserWarning):
@@ -329,9 +333,10 @@ def compile_whole(
     gm: fx.GraphModule, example_inputs: Sequence[Any], inner: InnerCompile, times: StageTimes
 ) -> CompiledPieces:
     """Compile ``gm`` as one piece (a one-bucket graph, or a piece DDPOptimizer cut)."""
-    unit = _compile_unit(
-        gm, list(example_inputs), inner, index=0, count=1, context=None, fake_mode=None, times=times
-    )
+    with _torch.user_saved_tensor_hooks_off():  # Note [User hooks at compile time]
+        unit = _compile_unit(
+            gm, list(example_inputs), inner, index=0, count=1, context=None, fake_mode=None, times=times
+        )
     return CompiledPieces((unit.fn,), (unit.record,))
 
 
@@ -342,7 +347,6 @@ def compile_pieces(
     times: StageTimes,
     *,
     reuse: bool = False,
-    keep: CompiledPieces | None = None,
 ) -> CompiledPieces:
     """Compile every piece of ``split`` with the inner backend, in order, on fake inputs.
 
@@ -353,12 +357,17 @@ def compile_pieces(
         times: where the seconds of each stage are added up.
         reuse: compile pieces with identical structure and input metadata once (see
             ``SplitConfig.reuse_identical_pieces``).
-        keep: an earlier compile of the same graph (a re-plan's first pieces): with
-            ``reuse``, a piece identical to one of its pieces keeps that piece's function.
 
     Returns:
         The callables, one per piece, and a record of how each was compiled.
     """
+    with _torch.user_saved_tensor_hooks_off():  # Note [User hooks at compile time]
+        return _compile_in_order(split, example_inputs, inner, times, reuse)
+
+
+def _compile_in_order(
+    split: SplitGraph, example_inputs: Sequence[Any], inner: InnerCompile, times: StageTimes, reuse: bool
+) -> CompiledPieces:
     fake_mode = _torch.detect_fake_mode(example_inputs) or _torch.detect_fake_mode(
         [p.meta.get("example_value") for p in split.placeholders]
     )
@@ -373,21 +382,16 @@ def compile_pieces(
     callables: list[Callable[..., Any]] = []
     records: list[PieceRecord] = []
     reusable: dict[tuple, _Reusable] = {}
-    earlier = keep.shareable if keep is not None and reuse else {}
     count = len(split.pieces)
     for piece in split.pieces:
         args = [values[s] for s in piece.inputs]
         with times.measure("reuse"):
             key = structure_key(piece.gm, args, piece.grad) if reuse else None
             hit = reusable.get(key) if key is not None else None
-            kept = hit is None and key is not None and key in earlier
-            if kept:
-                hit = earlier[key]
             outputs = fresh_outputs(hit.outputs, fake_mode) if hit is not None else None
         if hit is not None:
             callables.append(hit.fn)
-            outcome = Outcome.KEPT if kept else Outcome.SHARED
-            records.append(PieceRecord(piece.index, outcome, inner.name, shared_with=hit.piece))
+            records.append(PieceRecord(piece.index, Outcome.SHARED, inner.name, shared_with=hit.piece))
         else:
             _set_example_values(piece.gm, args)
             own_context = _torch.piece_tracing_context(context) if context is not None else None
@@ -404,4 +408,4 @@ def compile_pieces(
                 reusable[key] = _Reusable(piece.index, unit.fn, tuple(outputs))
         for s, value in zip(piece.outputs, outputs):
             values[s] = value
-    return CompiledPieces(tuple(callables), tuple(records), reusable)
+    return CompiledPieces(tuple(callables), tuple(records))

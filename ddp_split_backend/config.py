@@ -103,18 +103,17 @@ class SplitConfig:
     """How buckets are grouped into pieces (never cutting inside a bucket; DDP's buckets stay
     as they are). ``None`` (the default): one piece per bucket, the same plan on every rank
     and every step. A number: pieces of at least this many MiB of gradients. ``"auto"``
-    (opt-in): the grouping with the smallest predicted step time, from each bucket's
-    estimated backward, the measured fixed cost of a piece and the link: ``link_gbps``
-    (Note [Choosing pieces by cost] in plan.py), else measured in the first training steps
-    where that is sound (Note [Measuring the link] in regroup.py: one piece per bucket until
-    then, and a new grouping only if it pays for its compile soon). Fewer pieces cost less per
-    step (each piece is one autograd node and one inner-backend call); more pieces start
+    (opt-in, needs ``link_gbps``): the grouping with the smallest predicted step time, from
+    each bucket's estimated backward, the fixed cost of a piece and ``link_gbps`` (Note
+    [Choosing pieces by cost] in plan.py). Every plan is made from the graph, its parameters
+    and these options alone, at the first call, the same on every rank; nothing is measured
+    while training. Fewer pieces cost less per step (each piece is one autograd node and one inner-backend call); more pieces start
     communication earlier. See "Choosing pieces" in docs/performance.md."""
     link_gbps: float | None = None
-    """With ``min_piece_mb="auto"``: how many GB/s the gradient allreduce moves (bucket bytes
-    over this is its time; ``float("inf")``: communication costs nothing). ``None``: measured
-    in the first training steps where it can be (DDP active, static shapes, no CUDA graphs),
-    else each bucket's communication is assumed to take as long as its backward."""
+    """With ``min_piece_mb="auto"`` (required there, unused otherwise): how many GB/s the
+    gradient allreduce moves (bucket bytes over this is its time; ``float("inf")``:
+    communication costs nothing). ``watch_overlap``'s report measures it in a real run
+    (``OverlapReport.link_gbps``, also in its summary line)."""
     reuse_identical_pieces: bool | None = None
     """Compile pieces with the same ops and input metadata once (repeated transformer blocks).
     ``None``: on for registered backend names, off for callables (which may record or
@@ -237,6 +236,15 @@ def _check_size(name: str, value: object, unset: str = "DDP's default", also: st
 
 def _check_link(value: object, min_piece_mb: object) -> None:
     if value is None:
+        if min_piece_mb == "auto":
+            raise SplitConfigError(
+                "ddp_split option min_piece_mb='auto' needs 'link_gbps', the GB/s your gradient "
+                "allreduce moves (got link_gbps=None): pieces are grouped against it, and nothing "
+                "at compile time can tell it. Pass e.g. link_gbps=10 (float('inf') for a free "
+                "link); ddp_split_backend.watch_overlap(ddp) measures it in your run and its "
+                "summary line ends 'link ... GB/s'. Or leave min_piece_mb out for one "
+                "piece per bucket."
+            )
         return
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
     if not ok or value <= 0:  # type: ignore[operator]

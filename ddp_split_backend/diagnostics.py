@@ -3,8 +3,7 @@
 The plan object is the source of truth; everything here only renders it.
 
 * Always (logger ``ddp_split.summary``, INFO): one line per compiled graph, saying its
-  pieces, buckets and why, and the compile's seconds; one when ``min_piece_mb="auto"``
-  starts a re-plan's compile. Nothing per step. Shown on the first rank by a handler of its
+  pieces, buckets and why, and the compile's seconds. Nothing per step. Shown on the first rank by a handler of its
   own unless the user's logging would show it (Note [Lines a normal run prints]).
 * ``TORCH_LOGS=ddp_split``: also one bucket table per compiled graph (logger ``ddp_split``),
   no wider than 120 columns.
@@ -43,7 +42,7 @@ summary_log = logging.getLogger("ddp_split.summary")
 # Note [Lines a normal run prints]
 # --------------------------------
 # A user who never configured logging should still learn, once per graph, what ddp_split did
-# (and that a pause is a re-plan's compile, not a hang). Python shows only warnings from a
+# (and that a pause is a compile, not a hang). Python shows only warnings from a
 # library that has no handler, so the first compile (never the import) gives the
 # ``ddp_split.summary`` logger level INFO, unless the user set one, and a handler that
 # prints to stderr on the process group's first rank only. That handler stays quiet when any
@@ -87,23 +86,17 @@ def show_summaries() -> None:
     summary_log.addHandler(handler)
 
 
-def summary_line(
-    plan: SplitPlan, pieces: Sequence[PieceRecord], times: StageTimes, *, recompiled: bool = True, then: str = ""
-) -> str:
+def summary_line(plan: SplitPlan, pieces: Sequence[PieceRecord], times: StageTimes) -> str:
     """``ddp_split: graph 0 [0/0]: 7 pieces for 7 DDP buckets (one per bucket); traced in 0.4 s,
-    compiled in 3.1 s (4 reused)``, then ``; {then}``. ``recompiled=False``: a re-plan that kept the
-    pieces already compiled."""
-    if not recompiled:
-        return f"ddp_split: {plan.graph_name}: {plan.summary()}; kept as compiled, nothing recompiled"
+    compiled in 3.1 s (4 reused)``."""
     outcomes = collections.Counter(r.outcome for r in pieces)
     extra = ", ".join(part for part in (
         f"{outcomes[Outcome.SHARED]} reused" if outcomes[Outcome.SHARED] else "",
-        f"{outcomes[Outcome.KEPT]} kept from the first compile" if outcomes[Outcome.KEPT] else "",
         f"{outcomes[Outcome.EAGER_FALLBACK]} eager after the inner backend failed"
         if outcomes[Outcome.EAGER_FALLBACK] else "",
     ) if part)
     traced = f"traced in {times.traced:.1f} s, " if times.traced is not None else ""
-    done = f"{traced}compiled in {times.total:.1f} s" + (f" ({extra})" if extra else "") + (f"; {then}" if then else "")
+    done = f"{traced}compiled in {times.total:.1f} s" + (f" ({extra})" if extra else "")
     return f"ddp_split: {plan.graph_name}: {plan.summary()}; {done}"
 
 
@@ -144,13 +137,9 @@ def log_compiled(
     split: SplitGraph | None,
     pieces: Sequence[PieceRecord],
     times: StageTimes,
-    *,
-    recompiled: bool = True,
-    then: str = "",
 ) -> None:
-    """Log and trace what the backend did with one graph (``recompiled``, ``then``: see
-    :func:`summary_line`)."""
-    summary_log.info("%s", summary_line(plan, pieces, times, recompiled=recompiled, then=then))
+    """Log and trace what the backend did with one graph."""
+    summary_log.info("%s", summary_line(plan, pieces, times))
     if log.isEnabledFor(logging.INFO):
         details = (f"compiled by: {_compiled_by(pieces)}", f"compile {times.describe()}")
         wrapped = (textwrap.fill(d, TABLE_WIDTH, initial_indent="  ", subsequent_indent="    ") for d in details)

@@ -16,14 +16,27 @@ communication of a step is the time from that moment until the last bucket compl
 bucket's interval from the hook's call to its completion). 0 % means every byte was sent while backward still
 computed; 100 % means nothing overlapped. On a GPU the times come from CUDA events recorded
 on the streams the work runs on, read once the window has closed.
+
+Note [The link a run measured]
+------------------------------
+``min_piece_mb="auto"`` groups buckets against a link speed the user gives (``link_gbps``);
+a watched run measures one to give it. Model the link as DDP's buckets meet it: one link
+sends buckets in the order they were ready, each once it is ready and the one before it is
+sent, at one speed. Then when the last bucket completes is an increasing function of that
+speed (the last bucket always waits its own bytes' time), so exactly one speed ends the
+step's communication when it really ended; :func:`link_seconds_per_byte` finds it by
+bisection. The report gives the median over its steps (:attr:`OverlapReport.link_gbps`).
+Whatever slows the communication (the comm hook's own work, the other ranks arriving late)
+counts as the link's: the figure is the speed this run's gradients actually moved at.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,15 +49,42 @@ from . import _torch
 from .clock import Clock
 from .diagnostics import summary_log
 from .plan import TABLE_WIDTH
-from .regroup import STEPS_BEFORE_REPLAN, replan_pending
 
-__all__ = ["BucketTiming", "OverlapReport", "OverlapWatch", "StepOverlap", "watch_overlap"]
+__all__ = [
+    "BucketTiming", "OverlapReport", "OverlapWatch", "StepOverlap", "link_seconds_per_byte", "watch_overlap",
+]
 
 log = logging.getLogger("ddp_split")
 
-MOST_WAITED = 2 * STEPS_BEFORE_REPLAN
-"""Training steps a watch waits at most for a ``min_piece_mb="auto"`` re-plan before it
-measures anyway (a graph of another DDP module with the same parameter names never ends it)."""
+_BISECTIONS = 60
+"""Halvings of the bracket :func:`link_seconds_per_byte` searches (far below a clock's resolution)."""
+
+
+def link_seconds_per_byte(ready: Sequence[float], nbytes: Sequence[int], end: float) -> float:
+    """The link speed, in seconds per byte, at which one link sending buckets of ``nbytes``
+    in the order they are ``ready`` (each once ready and the one before it sent) finishes at
+    ``end`` (Note [The link a run measured]). Times share any origin. 0 when ``end`` is no
+    later than the last bucket was ready (a free link)."""
+    pairs = sorted(zip(ready, nbytes, strict=True))
+    total = sum(size for _, size in pairs)
+    if not pairs or total <= 0:
+        return 0.0
+
+    def finish(per_byte: float) -> float:
+        link = -math.inf
+        for at, size in pairs:
+            link = max(link, at) + size * per_byte
+        return link
+
+    if end <= finish(0.0):
+        return 0.0
+    low, high = 0.0, (end - pairs[0][0]) / max(1, pairs[-1][1])  # the last bucket alone takes its bytes' time
+    while finish(high) < end:  # a last bucket of 0 bytes: widen until the bracket holds the end
+        high *= 2
+    for _ in range(_BISECTIONS):
+        middle = (low + high) / 2
+        low, high = (middle, high) if finish(middle) < end else (low, middle)
+    return high
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,9 +148,6 @@ class OverlapReport:
 
     steps: tuple[StepOverlap, ...]
     device: str
-    waited: int = 0
-    """Training steps the window started later than asked, waiting for ``min_piece_mb="auto"``
-    to re-plan (it measures the plan that stays)."""
 
     @property
     def median_exposed_share(self) -> float:
@@ -119,6 +156,21 @@ class OverlapReport:
     @property
     def median_exposed_s(self) -> float:
         return statistics.median(s.exposed_s for s in self.steps) if self.steps else float("nan")
+
+    @property
+    def link_gbps(self) -> float:
+        """The speed the gradients moved at, in GB/s (the median of each step's fit; Note [The
+        link a run measured]): what to pass as ``link_gbps`` with ``min_piece_mb="auto"``.
+        ``inf``: nothing was left to send once each bucket was ready; ``nan``: no step."""
+        if not self.steps:
+            return math.nan
+        per_byte = statistics.median(
+            link_seconds_per_byte(
+                [b.ready for b in s.buckets], [b.nbytes for b in s.buckets], max(b.completed for b in s.buckets)
+            )
+            for s in self.steps
+        )
+        return 1.0 / per_byte / 1e9 if per_byte > 0 else math.inf
 
     def median_step(self) -> StepOverlap | None:
         """The step whose exposed share is the median one (what the table details)."""
@@ -131,12 +183,11 @@ class OverlapReport:
         median = self.median_step()
         if median is None:
             return "ddp_split overlap: no step measured yet"
-        waited = f", after waiting {self.waited} steps for the re-plan" if self.waited else ""
         return (
-            f"ddp_split overlap, training forwards {self.steps[0].step}-{self.steps[-1].step}{waited}: "
+            f"ddp_split overlap, training forwards {self.steps[0].step}-{self.steps[-1].step}: "
             f"{1 - self.median_exposed_share:.0%} of the communication was hidden behind backward "
             f"({median.ready_before_end} of {len(median.buckets)} buckets sent before backward ended; "
-            f"{self.median_exposed_s * 1e3:.2f} ms exposed after it, median)"
+            f"{self.median_exposed_s * 1e3:.2f} ms exposed, median); link {self.link_gbps:.3g} GB/s"
         )
 
     def table(self) -> str:
@@ -147,8 +198,7 @@ class OverlapReport:
             textwrap.fill(
                 f"ddp_split overlap ({self.device}, {len(self.steps)} steps): exposed communication "
                 f"{self.median_exposed_s * 1e3:.2f} ms, {self.median_exposed_share:.0%} of the time communication "
-                "was under way (median)" + (f"; measured after the re-plan, {self.waited} steps later than asked"
-                                            if self.waited else ""),
+                f"was under way (median); link {self.link_gbps:.3g} GB/s (pass it as link_gbps)",
                 TABLE_WIDTH, subsequent_indent="    ",
             ),
             "  step  backward ms  comm ms  exposed ms  exposed  buckets ready before backward end",
@@ -174,7 +224,7 @@ class OverlapReport:
         'ddp-split-backend[plot]'``): without it, one warning naming the extra and ``None``."""
         from .picture import draw_overlap, drawn
 
-        return drawn(lambda: draw_overlap(self, Path(path)))
+        return drawn(lambda: draw_overlap(self.median_step(), self.device, Path(path)))
 
 
 @dataclass
@@ -203,8 +253,6 @@ class OverlapWatch:
         self.hook, self.state = hook, state
         self.warmup, self.steps = warmup, steps
         self._forwards = 0
-        self._waited = 0
-        """Training forwards the window moved later while a re-plan was pending."""
         self._measured: list[_Step] = []
         self._current: _Step | None = None
         self._clock: Clock | None = None
@@ -218,7 +266,7 @@ class OverlapWatch:
     def done(self) -> bool:
         """The window has closed: every forward of it ran, and the next one began (or the
         watch was removed)."""
-        return self._forwards >= self.warmup + self._waited + self.steps and self._current is None
+        return self._forwards >= self.warmup + self.steps and self._current is None
 
     def remove(self) -> None:
         """Stop watching the forwards (the comm hook stays: DDP cannot unregister one; it then
@@ -231,11 +279,7 @@ class OverlapWatch:
         self._close_step()
         index = self._forwards
         self._forwards += 1
-        start = self.warmup + self._waited
-        if not (start <= index < start + self.steps and module.training):
-            return
-        if not self._measured and self._waited < MOST_WAITED and replan_pending(module):
-            self._waited += 1  # measure the plan that stays, not the one being measured
+        if not (self.warmup <= index < self.warmup + self.steps and module.training):
             return
         self._current = _Step(index)
 
@@ -295,7 +339,7 @@ class OverlapWatch:
             end = max(ready for _, ready, _, _ in rel)
             buckets = tuple(BucketTiming(b.bucket, b.nbytes, r - end, la - end, c - end) for b, r, la, c in rel)
             steps.append(StepOverlap(step.index, end, buckets))
-        return OverlapReport(tuple(steps), "cuda" if clock.cuda else "cpu", self._waited)
+        return OverlapReport(tuple(steps), "cuda" if clock.cuda else "cpu")
 
 
 def watch_overlap(
@@ -313,10 +357,7 @@ def watch_overlap(
     one). ``hook``/``state``: the comm hook you would have registered (default: DDP's
     allreduce averaged over ``state`` or the default group). Steps ``warmup`` to
     ``warmup + steps - 1`` (counting training forwards from 0) are measured; the first steps
-    compile and let DDP rebuild its buckets. While a ``min_piece_mb="auto"`` graph of this
-    DDP module is still measuring its own first steps, the window starts later, after its
-    re-plan, so that it measures the plan that stays (:attr:`OverlapReport.waited`).
-    ``watch.report()`` returns the :class:`OverlapReport`. When the window closes, its
+    compile and let DDP rebuild its buckets. ``watch.report()`` returns the :class:`OverlapReport`. When the window closes, its
     one-line summary is logged (``ddp_split.summary``, shown by default) and, with
     ``TORCH_LOGS=ddp_split``, its table. Results are unchanged: the wrapped hook's futures
     pass through.

@@ -6,13 +6,10 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from .extras import MissingExtra, require
 from .plan import SplitPlan
-
-if TYPE_CHECKING:
-    from .overlap import OverlapReport
 
 __all__ = ["draw_overlap", "draw_plans", "drawn"]
 
@@ -95,12 +92,35 @@ def draw_plans(plans: Sequence[SplitPlan], path: Path) -> Path:
     return path
 
 
-def draw_overlap(report: OverlapReport, path: Path) -> Path:
-    """Write a PNG of the report's median step: x = ms relative to the end of backward (the
-    grey band is backward), one row per bucket in the order DDP handed them over, a bar from
-    launch to completion and a dot where the bucket was ready; red: communication exposed."""
+class _Bucket(Protocol):
+    """One bucket's times, ``overlap.BucketTiming`` (picture.py never imports overlap.py)."""
+
+    bucket: int
+    ready: float
+    launched: float
+    completed: float
+
+
+class _Step(Protocol):
+    """One measured step, ``overlap.StepOverlap``."""
+
+    step: int
+    backward_s: float
+    buckets: Sequence[_Bucket]
+
+    @property
+    def exposed_s(self) -> float: ...
+
+    @property
+    def exposed_share(self) -> float: ...
+
+
+def draw_overlap(step: _Step | None, device: str, path: Path) -> Path:
+    """Write a PNG of one measured step (an overlap report's median one): x = ms relative to
+    the end of backward (the grey band is backward), one row per bucket in the order DDP
+    handed them over, a bar from launch to completion and a dot where the bucket was ready;
+    red: communication exposed."""
     plt = _pyplot()
-    step = report.median_step()
     fig, ax = plt.subplots(figsize=(10, 1.2 + 0.28 * (len(step.buckets) if step else 1)))
     if step is not None:
         ax.axvspan(-step.backward_s * 1e3, 0, color="#dee2e6", label="backward")
@@ -111,7 +131,7 @@ def draw_overlap(report: OverlapReport, path: Path) -> Path:
             ax.plot([b.ready * 1e3], [row], marker="o", color="#264653", markersize=3)
         ax.set_yticks(range(len(step.buckets)), [f"bucket {b.bucket}" for b in step.buckets], fontsize=7)
         ax.invert_yaxis()
-        ax.set_title(f"step {step.step} ({report.device}): {step.exposed_s * 1e3:.2f} ms exposed, "
+        ax.set_title(f"step {step.step} ({device}): {step.exposed_s * 1e3:.2f} ms exposed, "
                      f"{step.exposed_share:.0%} of communication", fontsize=9)
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
     ax.axvline(0, color="black", linewidth=0.8)

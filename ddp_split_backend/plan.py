@@ -46,20 +46,26 @@ has run, after every piece before it in backward order, each of which also paid 
 cost of a piece (Note [Piece cost model] in ``cost.py``). One link sends buckets in the order
 they are ready, so piece j's communication ends at ``max(end of j - 1's, ready_j) + comm_j``;
 the step ends when the last communication does, and every piece's forward pays its fixed
-cost too. For a given number of pieces, the earliest end over the first i buckets only
-depends on the earliest end over a shorter prefix, so an exact dynamic programme over
-(buckets consumed, pieces used) finds the grouping with the smallest predicted step for
-every number of pieces. Of those, the fewest pieces predicted within :data:`TOLERANCE` of
-the best is chosen: the prediction is not that exact, and every piece adds compile time
-and a cost per step the model may underrate.
-Communication per bucket is its bytes over ``link_gbps`` when given (``inf``: an instant
-link); without it, each bucket's communication is assumed to take as long as its backward.
+cost too. Up to :data:`EXACT_BUCKETS` buckets the search is exact: for a given number of
+pieces, the earliest end over the first i buckets only depends on the earliest end over a
+shorter prefix, so a dynamic programme over (buckets consumed, pieces used) finds the best
+grouping for every number of pieces. It costs about buckets^3 / 6 steps, so with more
+buckets (a graph of thousands) the candidates are balanced groupings instead: for piece
+counts growing geometrically, the buckets cut into groups of equal backward time, and of
+equal communication, each evaluated in one pass (O(buckets x log(buckets)) in all;
+``benchmarks/plan_scaling.py``). Of the candidates, the fewest pieces predicted within
+:data:`TOLERANCE` of the best is chosen: the prediction is not that exact, and every piece
+adds compile time and a cost per step the model may underrate.
+Communication per bucket is its bytes over ``link_gbps`` (``inf``: an instant link), which
+``min_piece_mb="auto"`` requires: nothing at compile time can tell the link, and a plan that
+every rank derives alone must not depend on anything measured while training
+(``watch_overlap``'s report measures a run's link speed, ready to pass).
 Grouping never cuts inside a bucket: it only chooses which bucket boundaries to keep.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import bisect
 import enum
 import math
 import textwrap
@@ -77,8 +83,6 @@ __all__ = [
     "BucketPlan",
     "CostInputs",
     "GraphShare",
-    "PAYBACK_STEPS",
-    "Payback",
     "PiecePlan",
     "PieceSizing",
     "SplitPlan",
@@ -180,11 +184,8 @@ class CostInputs:
     """Estimated backward seconds of each compute node (``GraphLayout.nodes`` order)."""
     fixed_s: float
     """One piece's fixed cost per step (forward and backward together)."""
-    link_bytes_per_s: float | None
-    """``link_gbps`` in bytes per second; ``None``: communication as long as backward."""
-    link_source: str | None = None
-    """Where ``link_bytes_per_s`` came from, for people, when not from ``link_gbps``
-    (measured in the first steps, or not measured yet)."""
+    link_bytes_per_s: float
+    """``link_gbps`` in bytes per second (``inf``: an instant link)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,7 +195,7 @@ class PieceSizing:
     bucket_backward_s: tuple[float, ...]
     """Estimated backward seconds per bucket, in forward order."""
     bucket_comm_s: tuple[float, ...]
-    """Communication seconds per bucket (assumed or from ``link_gbps``)."""
+    """Communication seconds per bucket (bytes over ``link_gbps``)."""
     fixed_s: float
     link: str
     """Where the communication times came from, for people."""
@@ -210,31 +211,6 @@ class PieceSizing:
             f"{self.one_per_bucket_s * ms:.2f} ms, one piece {self.one_piece_s * ms:.2f} ms); "
             f"fixed cost {self.fixed_s * ms:.3f} ms per piece; backward {sum(self.bucket_backward_s) * ms:.2f} ms "
             f"estimated; communication {sum(self.bucket_comm_s) * ms:.2f} ms ({self.link})"
-        )
-
-
-PAYBACK_STEPS = 1000
-"""A measured re-plan (Note [Measuring the link] in ``regroup.py``) compiles new pieces only
-if the step time they are predicted to save, over this many steps, exceeds the compile's
-estimated seconds: a regrouping must pay for itself within a short run, so that a user's
-warm-up is not made longer for a gain the run would not see."""
-
-
-@dataclass(frozen=True, slots=True)
-class Payback:
-    """Why a measured re-plan kept the pieces it had although a grouping was predicted faster."""
-
-    pieces: int
-    """Pieces of the grouping predicted fastest."""
-    saving_s: float
-    """What it was predicted to save per step."""
-    compile_s: float
-    """Its compile, estimated from the first compile's seconds."""
-
-    def describe(self) -> str:
-        return (
-            f"{self.pieces} pieces would save {self.saving_s * 1e3:.2f} ms a step, "
-            f"too little to pay for about {self.compile_s:.1f} s of compile within {PAYBACK_STEPS} steps"
         )
 
 
@@ -279,9 +255,6 @@ class SplitPlan:
     """``min_piece_mb="auto"``: the predictions the grouping was chosen by."""
     whole: WholeReason | None = None
     """Set when the buckets were kept in one piece whatever the options said, and why."""
-    payback: Payback | None = None
-    """Set when a measured re-plan kept one piece per bucket because the faster grouping's
-    compile would not pay for itself (:data:`PAYBACK_STEPS`)."""
     share: GraphShare | None = None
     """Set when the graph holds only part of its DDP module's gradients."""
 
@@ -292,11 +265,6 @@ class SplitPlan:
         for b in self.buckets:
             groups.setdefault(b.piece, []).append(b)
         return tuple(PiecePlan(piece, tuple(held)) for piece, held in sorted(groups.items()))
-
-    def regrouped(self, piece_of: Sequence[int], note: str) -> SplitPlan:
-        """This plan with bucket ``i`` (forward order) in piece ``piece_of[i]``, and ``note``."""
-        buckets = tuple(dataclasses.replace(b, piece=p) for b, p in zip(self.buckets, piece_of, strict=True))
-        return dataclasses.replace(self, buckets=buckets, notes=(*self.notes, note))
 
     @property
     def cuts(self) -> tuple[int, ...]:
@@ -330,8 +298,6 @@ class SplitPlan:
             return said
         if self.min_piece_bytes is not None:
             return f"{said} (pieces of at least {self.min_piece_bytes / 2**20:.3g} MiB, min_piece_mb)"
-        if self.payback is not None:
-            return f"{said} (one per bucket, {self.payback.describe()})"
         if self.sizing is not None:
             return f"{said} (grouped by predicted step time, min_piece_mb='auto')"
         return f"{said} (one per bucket)"
@@ -367,8 +333,6 @@ class SplitPlan:
             notes.append(f"ignored by DDP: {_names(self.ignored_params, width - 17)}")
         if self.whole is not None:
             notes.append(f"one piece: {self.whole.value}")
-        if self.payback is not None:
-            notes.append(self.payback.describe())
         notes.extend(f"note: {n}" for n in self.notes)
         lines = [textwrap.fill(header, width, subsequent_indent="    ")]
         for r in rows:
@@ -528,15 +492,11 @@ def _group_by_cost(
     """The piece of each bucket (forward order) minimising the predicted step (Note
     [Choosing pieces by cost]); ``buckets`` holds (start node, stop node, bytes)."""
     backward = [sum(costs.node_backward_s[start:stop]) for start, stop, _ in buckets]
-    if costs.link_bytes_per_s is None:
-        comm, link = list(backward), "assumed as long as each bucket's backward; set link_gbps to say"
-    elif math.isinf(costs.link_bytes_per_s):
+    if math.isinf(costs.link_bytes_per_s):
         comm, link = [0.0] * len(buckets), "link_gbps=inf: instant"
     else:
         comm = [nbytes / costs.link_bytes_per_s for _, _, nbytes in buckets]
         link = f"link_gbps={costs.link_bytes_per_s / 1e9:g}"
-    if costs.link_source is not None:
-        link = costs.link_source
     if len(buckets) <= 1:
         link = "one bucket: nothing to group"
     in_backward = (backward[::-1], comm[::-1], costs.fixed_s)  # backward visits the last bucket first
@@ -562,9 +522,11 @@ the best predicted step): less than the step-to-step noise of the measurements b
 BACKWARD_SHARE = 0.6
 """Share of a piece's fixed cost paid in backward (AOTAutograd's backward wrapper is the
 larger part: RESULTS.md, "Where the split's cost goes")."""
-_WIDEST = 48
-"""Largest group the search considers when a graph has more buckets than this (keeps it
-O(buckets^2 x widest))."""
+EXACT_BUCKETS = 32
+"""Up to this many buckets the grouping is searched exactly (a dynamic programme, about
+buckets^3 / 6 steps); above it, among balanced groupings (Note [Choosing pieces by cost])."""
+_LADDER = 1.25
+"""Ratio between successive piece counts tried above :data:`EXACT_BUCKETS` buckets."""
 
 
 def _predicted_step(backward: Sequence[float], comm: Sequence[float], fixed: float, sizes: Sequence[int]) -> float:
@@ -579,17 +541,21 @@ def _predicted_step(backward: Sequence[float], comm: Sequence[float], fixed: flo
 
 
 def _best_grouping(backward: Sequence[float], comm: Sequence[float], fixed: float) -> list[int]:
-    """Group sizes (backward order) with the smallest :func:`_predicted_step`, exactly."""
+    """Group sizes (backward order) with the smallest :func:`_predicted_step`: exactly up to
+    :data:`EXACT_BUCKETS` buckets, else the best balanced grouping."""
     n = len(backward)
     if n <= 1:
         return [n] if n else []
-    widest = n if n <= _WIDEST else _WIDEST
-    before = [0.0]
-    for t in backward:
-        before.append(before[-1] + t)
-    sent = [0.0]
-    for c in comm:
-        sent.append(sent[-1] + c)
+    candidates = _exact_groupings(backward, comm, fixed) if n <= EXACT_BUCKETS else _balanced_groupings(backward, comm)
+    steps = [(_predicted_step(backward, comm, fixed, sizes), sizes) for sizes in candidates]
+    best = min(step for step, _ in steps)
+    return min((sizes for step, sizes in steps if step <= best * (1 + TOLERANCE)), key=len)
+
+
+def _exact_groupings(backward: Sequence[float], comm: Sequence[float], fixed: float) -> list[list[int]]:
+    """For every number of pieces, the group sizes with the earliest end of communication."""
+    n = len(backward)
+    before, sent = _prefix(backward), _prefix(comm)
     inf = math.inf
     # end[m][i]: earliest end of communication with the first i buckets in m pieces.
     end = [[inf] * (n + 1) for _ in range(n + 1)]
@@ -598,19 +564,52 @@ def _best_grouping(backward: Sequence[float], comm: Sequence[float], fixed: floa
     for m in range(1, n + 1):
         for i in range(m, n + 1):
             ready = before[i] + m * BACKWARD_SHARE * fixed
-            for j in range(max(m - 1, i - widest), i):
+            for j in range(m - 1, i):
                 prev = end[m - 1][j]
                 if prev == inf:
                     continue
                 candidate = max(prev, ready) + sent[i] - sent[j]
                 if candidate < end[m][i]:
                     end[m][i], choice[m][i] = candidate, j
-    step = [end[m][n] + (1 - BACKWARD_SHARE) * fixed * m if m else inf for m in range(n + 1)]
-    best = min(step)
-    pieces = next(m for m in range(1, n + 1) if step[m] <= best * (1 + TOLERANCE))
-    sizes, i = [], n
-    for m in range(pieces, 0, -1):
-        j = choice[m][i]
-        sizes.append(i - j)
-        i = j
-    return sizes[::-1]
+    groupings = []
+    for pieces in range(1, n + 1):
+        sizes, i = [], n
+        for m in range(pieces, 0, -1):
+            j = choice[m][i]
+            sizes.append(i - j)
+            i = j
+        groupings.append(sizes[::-1])
+    return groupings
+
+
+def _balanced_groupings(backward: Sequence[float], comm: Sequence[float]) -> list[list[int]]:
+    """For piece counts 1, 2, ... growing by :data:`_LADDER`, the buckets cut into that many
+    groups of about equal backward time, and of about equal communication: O(buckets) each,
+    O(buckets x log(buckets)) in all."""
+    n = len(backward)
+    counts, m = [], 1
+    while m < n:
+        counts.append(m)
+        m = max(m + 1, round(m * _LADDER))
+    counts.append(n)
+    sums = (_prefix(backward), _prefix(comm))
+    return [_balanced(prefix, pieces) for pieces in counts for prefix in sums]
+
+
+def _balanced(prefix: Sequence[float], pieces: int) -> list[int]:
+    """Sizes of ``pieces`` consecutive groups whose weights (``prefix``: running sums) are
+    about equal; equal counts when every weight is 0."""
+    n, total = len(prefix) - 1, prefix[-1]
+    cuts = [0]
+    for k in range(1, pieces):
+        at = bisect.bisect_left(prefix, total * k / pieces) if total > 0 else round(n * k / pieces)
+        cuts.append(min(max(at, cuts[-1] + 1), n - (pieces - k)))
+    cuts.append(n)
+    return [b - a for a, b in zip(cuts, cuts[1:])]
+
+
+def _prefix(values: Sequence[float]) -> list[float]:
+    running = [0.0]
+    for v in values:
+        running.append(running[-1] + v)
+    return running

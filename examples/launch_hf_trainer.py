@@ -52,7 +52,7 @@ def main() -> None:
     p.add_argument("--out", required=True, help="result file (written by rank 0)")
     p.add_argument("--no-compile", action="store_true", help="plain DDP, for comparison")
     p.add_argument("--inner", default="inductor", help="backend ddp_split compiles each piece with")
-    p.add_argument("--steps", type=int, default=8, help="8: past min_piece_mb='auto's re-plan at the 7th")
+    p.add_argument("--steps", type=int, default=8, help="training steps")
     p.add_argument("--bucket-cap-mb", type=float, default=0.1, help="DDP bucket cap (MiB)")
     args = p.parse_args()
 

@@ -113,3 +113,33 @@ class WithBatchNorm(nn.Module):
         x = F.relu(self.bn(self.a(x)))
         x = F.relu(self.bn2(self.b(x)))
         return self.c(x)
+
+
+class EncoderBlock(nn.Module):
+    """A new user's transformer (issue 31): two encoder layers under bf16 autocast, a head."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(width, 4, 2 * width, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            x = self.encoder(x)
+        return self.head(x.float().mean(1))
+
+
+class ConvNet(nn.Module):
+    """A new user's BatchNorm CNN (issue 31): four Conv2d + BatchNorm2d, a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.convs = nn.ModuleList([nn.Conv2d(3 if i == 0 else 16, 16, 3, padding=1) for i in range(4)])
+        self.norms = nn.ModuleList([nn.BatchNorm2d(16) for _ in range(4)])
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for conv, norm in zip(self.convs, self.norms):
+            x = torch.relu(norm(conv(x)))
+        return self.head(x.mean((2, 3)))

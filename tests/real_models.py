@@ -6,8 +6,7 @@ BERT masked-LM; ``timm`` ViT; ``torchvision`` ResNet-18 (BatchNorm buffers). Eac
 trains a model with eager DDP and, from the same weights on the same per-rank data, through
 the path users take: ``backend="ddp_split"`` by name, the inner backend by name, default
 options (a piece per bucket, identical pieces shared), under
-:func:`ddp_split_backend.own_split`. The opt-in ``min_piece_mb="auto"``, with its re-plan, on
-GPT-2: ``tests/test_measured_auto.py``.
+:func:`ddp_split_backend.own_split`. The opt-in ``min_piece_mb="auto"``: ``tests/test_auto_pieces.py``.
 """
 
 from __future__ import annotations

@@ -42,8 +42,7 @@ def recorder() -> RecordConfig:
 
 
 def _train_step(compiled: torch.nn.Module, width: int, steps: int = 1) -> None:
-    """``steps=2`` under the default ``min_piece_mb="auto"``: its first training step runs
-    the graph eagerly (Note [Measuring the link]), so backward compiles at the second."""
+    """``steps`` training steps under ``own_split()`` (backward compiles at the first)."""
     with own_split():
         for _ in range(steps):
             compiled(torch.randn(4, width)).sum().backward()

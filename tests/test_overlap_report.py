@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -183,3 +184,45 @@ def test_times_come_from_the_device(device: str) -> None:
     for step in report.steps:
         assert step.backward_s > 0 and len(step.buckets) == DEPTH
         assert step.ready_before_end == DEPTH - 1, report.table()
+
+
+def _fifo_step(step: int, ready: list[float], nbytes: list[int], gbps: float, launch_s: float = 0.0) -> Any:
+    """A step as one link at ``gbps`` would make it: buckets sent in the order they are ready
+    (times relative to backward's end), each once the one before it is sent."""
+    from ddp_split_backend import BucketTiming, StepOverlap
+
+    link, buckets = float("-inf"), []
+    for index, (at, size) in enumerate(zip(ready, nbytes, strict=True)):
+        link = max(link, at + launch_s) + size / (gbps * 1e9)
+        buckets.append(BucketTiming(index, size, at, at + launch_s, link))
+    return StepOverlap(step, -min(ready) + 1e-3, tuple(buckets))
+
+
+@pytest.mark.parametrize("gbps", [0.05, 1.0, 25.0])
+def test_the_report_gives_back_the_link_speed_of_its_times(gbps: float) -> None:
+    """Injected times, no clock: steps made by a link of known speed give that speed back,
+    whether communication was exposed (slow) or mostly hidden (fast), in the summary too."""
+    nbytes = [4 * MIB, 1 * MIB, 8 * MIB, 2 * MIB]
+    steps = (
+        _fifo_step(3, [-0.030, -0.020, -0.008, 0.0], nbytes, gbps),
+        _fifo_step(4, [-0.031, -0.019, -0.009, 0.0], nbytes, gbps),
+        _fifo_step(5, [-0.012, -0.011, -0.002, 0.0], nbytes, gbps),
+    )
+    report = OverlapReport(steps, "cpu")
+    assert report.link_gbps == pytest.approx(gbps, rel=1e-6)
+    assert report.summary().endswith(f"; link {gbps:.3g} GB/s")
+    assert f"link {gbps:.3g} GB/s (pass it as link_gbps)" in report.table()
+
+
+def test_link_fit_edges() -> None:
+    from ddp_split_backend.overlap import link_seconds_per_byte
+
+    # one link, 100 bytes at 1e-5 s/byte: sent back to back once the first is ready
+    assert link_seconds_per_byte([1e-3, 2e-3, 3e-3], [100, 100, 100], 4e-3) == pytest.approx(1e-5)
+    # the second bucket waits to be ready: the link idles in between
+    assert link_seconds_per_byte([1e-3, 5e-3], [100, 100], 6e-3) == pytest.approx(1e-5)
+    assert link_seconds_per_byte([1e-3, 5e-3], [100, 100], 5e-3) == 0.0  # ended when the last was ready: free
+    assert link_seconds_per_byte([-3e-3, -1e-3], [100, 0], 1e-3) == pytest.approx(4e-5)  # an empty last bucket
+    assert OverlapReport((), "cpu").link_gbps != OverlapReport((), "cpu").link_gbps  # nan: nothing measured
+    instant_step = _fifo_step(0, [-2e-3, 0.0], [MIB, MIB], math.inf)
+    assert OverlapReport((instant_step,), "cpu").link_gbps == math.inf
