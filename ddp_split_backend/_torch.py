@@ -93,6 +93,7 @@ __all__ = [  # every name the package uses (tests/test_compile_stage.py checks t
     "on_lazy_backward_compile",
     "piece_tracing_context",
     "pytree",
+    "queue_after_backward",
     "record_function_enter",
     "record_function_exit",
     "record_function_pairs",
@@ -492,6 +493,18 @@ def frame_compile_seconds() -> float | None:
     if not context.in_progress() or not start:
         return None
     return (time.time_ns() - start) / 1e9
+
+
+_autograd_engine = _resolve(
+    "torch.autograd.variable.Variable._execution_engine",
+    "runs a callback when the running backward ends (the first backward's compile line)",
+)
+
+
+def queue_after_backward(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the running backward has finished (raises ``RuntimeError``
+    outside a backward)."""
+    _autograd_engine.queue_callback(callback)
 
 
 _callback_handler = _resolve(

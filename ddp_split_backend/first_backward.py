@@ -18,6 +18,7 @@ never comes leaves the watch open and costs nothing; ``torch._dynamo.reset()`` (
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +27,8 @@ from dataclasses import dataclass
 from . import _torch
 
 __all__ = ["BackwardCompile", "forget_all", "watch"]
+
+log = logging.getLogger("ddp_split")
 
 
 @dataclass(slots=True)
@@ -59,7 +62,7 @@ def watch(compile_id: str | None, on_done: Callable[[BackwardCompile], None]) ->
     watch; without an id (compiled outside Dynamo) nothing is watched."""
     if compile_id is None:
         return BackwardCompile()
-    _torch.on_lazy_backward_compile(_started, _ended)
+    _torch.on_lazy_backward_compile(_STARTED, _ENDED)
     with _lock:
         found = _watches.get(compile_id)
         if found is None:
@@ -70,6 +73,20 @@ def watch(compile_id: str | None, on_done: Callable[[BackwardCompile], None]) ->
 def forget_all() -> None:
     with _lock:
         _watches.clear()
+
+
+def _never_raises(callback: Callable[[str], None]) -> Callable[[str], None]:
+    """``callback`` for Dynamo's callback handler, which runs it holding its own state: an
+    exception there would leave the handler counting a compile that never ends (and make
+    every later ``torch._dynamo.reset()`` fail), so it is logged instead."""
+
+    def guarded(compile_id: str) -> None:
+        try:
+            callback(compile_id)
+        except Exception:  # timing is diagnostics: it must never break a compile
+            log.warning("ddp_split: timing the first backward's compile failed", exc_info=True)
+
+    return guarded
 
 
 def _started(compile_id: str) -> None:
@@ -94,6 +111,9 @@ def _ended(compile_id: str) -> None:
         _torch.queue_after_backward(lambda: _finish(compile_id))
     except RuntimeError:  # compiled outside a running backward: nothing more to wait for
         _finish(compile_id)
+
+
+_STARTED, _ENDED = _never_raises(_started), _never_raises(_ended)
 
 
 def _finish(compile_id: str) -> None:

@@ -123,7 +123,7 @@ def test_the_users_own_logging_gets_the_lines_once_and_can_silence_them(tmp_path
     assert done.returncode == 0, done.stderr[-3000:]
     mine = [line for line in done.stderr.splitlines() if line.startswith("ddp_split.summary ddp_split: graph")]
     bare = [line for line in done.stderr.splitlines() if line.startswith("ddp_split:")]
-    assert len(mine) == 2 and not bare, done.stderr[-3000:]  # through the user's handler only
+    assert len(mine) == 3 and not bare, done.stderr[-3000:]  # training (and its backward), eval: the user's handler only
 
     silenced = "logging.getLogger('ddp_split.summary').setLevel(logging.WARNING)"
     done = _script_run(tmp_path, _TRAIN_AND_EVALUATE.format(logging=silenced, after=""))

@@ -253,7 +253,16 @@ REASON_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(REASON_CASES), ids=list(REASON_CASES))
+# AOTAutograd cannot compile ViewedInsideInferenceMode's region ("Cannot set version_counter for
+# inference tensor"; plain torch.compile fails on the whole model): its piece runs eagerly.
+_FALLS_BACK = {"inference_input"}
+
+
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param(c, marks=pytest.mark.expects_fallback) if c in _FALLS_BACK else c for c in REASON_CASES],
+    ids=list(REASON_CASES),
+)
 def test_each_blocked_cut_names_its_reason_node_and_piece(case: str, counting) -> None:
     """Caps of ~100 bytes want a cut in front of every Linear; each model blocks one of them
     for exactly one reason, recorded with the node it was wanted before and where it went."""
