@@ -55,6 +55,7 @@ __all__ = [  # every name the package uses (tests/test_compile_stage.py checks t
     "ddp_comm_hooks",
     "ddp_first_bucket_bytes",
     "ddp_ignored",
+    "ddp_rebuilds_buckets_later",
     "ddp_reduced_params",
     "default_first_bucket_bytes",
     "detect_fake_mode",
@@ -535,6 +536,16 @@ def on_lazy_backward_compile(started: Callable[[str], None], ended: Callable[[st
     on_start._ddp_split_calls = started  # type: ignore[attr-defined]
     _callback_handler.register_start_callback(on_start)
     _callback_handler.register_end_callback(on_end)
+
+
+def ddp_rebuilds_buckets_later(ddp: torch.nn.Module) -> bool:
+    """Whether ``ddp`` will still rebuild its buckets from the gradient order of a coming
+    synchronised backward: it has not yet, and it does at all (with ``static_graph=True``,
+    or without ``find_unused_parameters``; the reducer's rule). Read from the flag DDP's
+    forward sets once ``Reducer._rebuild_buckets`` has run."""
+    if getattr(ddp, "_has_rebuilt_buckets", True):
+        return False
+    return bool(getattr(ddp, "static_graph", False)) or not getattr(ddp, "find_unused_parameters", False)
 
 
 def ddp_reduced_params(ddp: torch.nn.Module) -> list[torch.Tensor]:

@@ -26,8 +26,9 @@ from . import _torch
 from .compile import CompiledPieces, InnerCompile, Outcome, PieceRecord, compile_pieces, compile_whole
 from .config import BACKEND_NAME, SplitConfig, SplitConfigError
 from .cost import device_rates, fixed_cost_s, node_backward_s
-from .diagnostics import log_backward_compiled, log_compiled, show_summaries
+from .diagnostics import log_backward_compiled, log_buckets_checked, log_compiled, show_summaries
 from .first_backward import BackwardCompile, forget_all, watch
+from .ready_order import BucketCheck, ReadyOrder
 from .inner import inner_compile
 from .layout import GraphLayout, layout_graph
 from .params import ParamTable, find_params
@@ -52,6 +53,9 @@ class CompileRecord:
     """Dynamo's id of the frame compile that made the graph (``1/0``: frame 1, first
     compile), or ``None`` outside Dynamo; the id in ``plan.graph_name``."""
     backward: BackwardCompile = field(default_factory=BackwardCompile)
+    buckets: BucketCheck = field(default_factory=BucketCheck)
+    """Once DDP has rebuilt its buckets: whether they are the pieces (Note [Pieces are DDP's
+    buckets] in ready_order.py); never filled in without DDP or for part of the model."""
     """The backward compile AOTAutograd defers to the graph's first backward, filled in when
     that backward has run (Note [The first backward's compile] in first_backward.py)."""
 
@@ -121,10 +125,12 @@ def plan_split(
 
 @dataclass(frozen=True, slots=True)
 class _Planned:
-    """A graph's plan and the layout it was made from (the split needs it)."""
+    """A graph's plan and what it was made from (the split and the run time need them)."""
 
     plan: SplitPlan
     layout: GraphLayout
+    params: ParamTable
+    ddp_module: torch.nn.Module | None
 
 
 def _plan_graph(
@@ -148,7 +154,33 @@ def _plan_graph(
     )
     if plan.whole is None:  # a graph without backward sends nothing, whatever it holds
         plan = dataclasses.replace(plan, share=_share(params, ddp_module))
-    return _Planned(plan, layout)
+    return _Planned(plan, layout, params, ddp_module)
+
+
+def _ready_order(planned: _Planned, split: SplitGraph, check: BucketCheck) -> ReadyOrder | None:
+    """How the graph's pieces hand DDP their gradients in the plan's order (Note [Pieces are
+    DDP's buckets]), or ``None`` without DDP or when DDP will not rebuild its buckets."""
+    ddp, plan = planned.ddp_module, planned.plan
+    if ddp is None or not _torch.ddp_rebuilds_buckets_later(ddp) or plan.whole is not None:
+        return None
+    uses = {use.name: use for use in planned.params.params}
+    views, pieces = [], []
+    for piece, inputs in zip(plan.pieces, (p.inputs for p in split.pieces), strict=True):
+        slots = [uses[name].slot for name in piece.params if name in uses]
+        views.append(tuple(inputs.index(slot) for slot in slots if slot is not None and slot in inputs))
+        pieces.append(frozenset(piece.params))
+    named = dict(_ddp_parameters(ddp))
+    params = {name: named[name] for name in uses if name in named}
+    whole = plan.share is None
+    return ReadyOrder(
+        ddp, views, pieces, {name: use.nbytes for name, use in uses.items()}, params, plan.caps,
+        check if whole else None, functools.partial(log_buckets_checked, plan.graph_name),
+    )
+
+
+def _ddp_parameters(ddp: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    inner = getattr(ddp, "module", ddp)
+    return [(_user_fqn(name), p) for name, p in inner.named_parameters()]
 
 
 def _share(params: ParamTable, ddp_module: torch.nn.Module | None) -> GraphShare | None:
@@ -257,7 +289,7 @@ class DDPSplitBackend:
         with times.measure("split"):
             split = split_graph(gm, planned.layout, plan.cuts)
         compiled = compile_pieces(split, example_inputs, inner, times, reuse=config.reuse)
-        return self._finish(plan, split, gm, compiled, times)
+        return self._finish(plan, split, gm, compiled, times, planned)
 
     def _configured(self, options: Mapping[str, Any] | None, mode: str | None) -> tuple[SplitConfig, InnerCompile]:
         """The config for ``options`` overlaid on :attr:`config`, and its inner backend:
@@ -290,18 +322,22 @@ class DDPSplitBackend:
         gm: fx.GraphModule,
         compiled: CompiledPieces,
         times: StageTimes,
+        planned: _Planned | None = None,
     ) -> Callable[..., Any]:
-        """Record and log what was done; wrap the callables for run time."""
+        """Record and log what was done; wrap the callables for run time (a split graph under
+        DDP with its pieces' gradients made ready in the plan's order until DDP rebuilds)."""
         compile_id = _compile_id()
         backward = (
             BackwardCompile() if plan.whole is WholeReason.NO_BACKWARD
             else watch(compile_id, functools.partial(log_backward_compiled, plan.graph_name))
         )
-        record = CompileRecord(plan, compiled.records, times, compile_id, backward)
+        buckets = BucketCheck()
+        record = CompileRecord(plan, compiled.records, times, compile_id, backward, buckets)
         self.records.append(record)
         log_compiled(plan, split, record.pieces, times)
         if split is not None:
-            return StitchedCallable(split, compiled.callables, record.compiled_by)
+            order = _ready_order(planned, split, buckets) if planned is not None else None
+            return StitchedCallable(split, compiled.callables, record.compiled_by, order)
         (fn,) = compiled.callables
         changes_state = any(classify(n) is not None for n in gm.graph.nodes)
         if changes_state or record.failures:

@@ -29,11 +29,12 @@ import torch.distributed as dist
 from . import _torch
 from .compile import Outcome, PieceRecord
 from .first_backward import BackwardCompile
+from .ready_order import BucketCheck, warn_straddling
 from .plan import TABLE_WIDTH, SplitPlan
 from .split import SplitGraph
 from .timing import StageTimes
 
-__all__ = ["log_backward_compiled", "log_compiled", "plan_to_dict", "show_summaries", "summary_log"]
+__all__ = ["log_backward_compiled", "log_buckets_checked", "log_compiled", "plan_to_dict", "show_summaries", "summary_log"]
 
 log = logging.getLogger("ddp_split")
 graph_log = logging.getLogger("ddp_split.graphs")
@@ -107,6 +108,21 @@ def log_backward_compiled(graph_name: str, backward: BackwardCompile) -> None:
     summary_log.info(
         "ddp_split: %s: backward compiled in %.1f s at the first backward (%s)", graph_name, backward.seconds, pieces
     )
+
+
+def log_buckets_checked(graph_name: str, check: BucketCheck) -> None:
+    """Which DDP bucket each piece ended up as, once DDP has rebuilt (``TORCH_LOGS=ddp_split``),
+    and one warning if a piece is not one of them (Note [Pieces are DDP's buckets])."""
+    if log.isEnabledFor(logging.INFO):
+        held = "; ".join(
+            f"bucket {i}: piece {', '.join(map(str, pieces))}" for i, pieces in enumerate(check.piece_of_bucket)
+        )
+        log.info(
+            "ddp_split %s: DDP rebuilt its buckets; %d of %d pieces are one DDP bucket each\n%s",
+            graph_name, check.pieces_matched, check.pieces,
+            textwrap.fill(held, TABLE_WIDTH, initial_indent="  ", subsequent_indent="    "),
+        )
+    warn_straddling(graph_name, check)
 
 
 def _compiled_by(pieces: Sequence[PieceRecord]) -> str:

@@ -35,6 +35,10 @@ class AdjustReason(enum.Enum):
     )
     NO_OUTPUT = "the piece in front of the cut would have no output"
     LEADING_NO_PARAMS = "the first piece holds no parameters; folded into the next one"
+    SHARED_NODE = (
+        "DDP closes the bucket between two parameters one node completes (no cut can fall "
+        "inside a node): both buckets share a piece"
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,9 @@ class ParamUse:
     first_use: int
     """Index (in the planner's node list) of the first node that uses it; backward reaches
     that node last, so the gradient is complete there."""
+    slot: int | None = None
+    """The graph placeholder (its index) it arrives through; ``None`` for a parameter the
+    graph reaches as an attribute."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,17 +125,17 @@ def find_params(
     """
     names = names or {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    values: dict[fx.Node, tuple[str, object]] = {}
+    values: dict[fx.Node, tuple[str, object, int]] = {}
     for i, node in enumerate(placeholders):
         example = example_inputs[i] if i < len(example_inputs) else None
         value = _placeholder_value(node, example)
         if isinstance(value, torch.nn.Parameter):
-            values[node] = (_placeholder_name(node, value, names), value)
+            values[node] = (_placeholder_name(node, value, names), value, i)
 
-    first_use: dict[int, tuple[int, str, torch.Tensor]] = {}
+    first_use: dict[int, tuple[int, str, torch.Tensor, int | None]] = {}
     ignored: dict[int, str] = {}
 
-    def note(index: int, name: str, param: torch.Tensor) -> None:
+    def note(index: int, name: str, param: torch.Tensor, slot: int | None = None) -> None:
         key = id(param)
         if key in first_use or key in ignored or not param.requires_grad:
             return
@@ -140,7 +143,7 @@ def find_params(
         if _is_ignored(param, name, ddp_ignored):
             ignored[key] = name
             return
-        first_use[key] = (index, name, param)
+        first_use[key] = (index, name, param, slot)
 
     for index, node in enumerate(nodes):
         for arg in _node_inputs(node):
@@ -159,7 +162,7 @@ def find_params(
                 note(index, name, param)
 
     uses = tuple(
-        ParamUse(name=name, nbytes=param.numel() * param.element_size(), first_use=index)
-        for index, name, param in first_use.values()
+        ParamUse(name=name, nbytes=param.numel() * param.element_size(), first_use=index, slot=slot)
+        for index, name, param, slot in first_use.values()
     )
     return ParamTable(params=uses, ignored=tuple(sorted(ignored.values())))

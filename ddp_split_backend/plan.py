@@ -66,6 +66,7 @@ Grouping never cuts inside a bucket: it only chooses which bucket boundaries to 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import enum
 import math
 import textwrap
@@ -74,7 +75,7 @@ from dataclasses import dataclass, field
 
 from .config import BucketCaps
 from .layout import AdjustReason, GraphLayout, StateSpan, state_spans
-from .params import ParamTable
+from .params import ParamTable, ParamUse
 
 __all__ = [
     "AdjustReason",
@@ -365,16 +366,96 @@ def _names(names: Sequence[str], width: int) -> str:
 
 @dataclass(frozen=True, slots=True)
 class _Bucket:
-    """A bucket as the reverse walk of :func:`plan_buckets` finds it."""
+    """One of DDP's buckets as :func:`_pack_like_ddp` predicts it, then placed on the graph."""
 
-    start: int
-    """Its first node."""
-    nbytes: int
-    """Bytes of the parameters whose gradients it holds."""
     names: tuple[str, ...]
-    """Those parameters, in the order the walk met them (last used first)."""
-    adjustments: tuple[BoundaryAdjustment, ...]
-    """Where its front cut moved from the wanted place, and why."""
+    """Its parameters, in the order their gradients become ready."""
+    nbytes: int
+    front: int
+    """The first node (forward order) completing one of its parameters; the graph's length
+    when it holds none."""
+    back: int
+    """The last node completing one of its parameters; -1 when it holds none."""
+    start: int = 0
+    """Its first node: where a cut in front of it goes (or would go, see ``cut``)."""
+    cut: bool = True
+    """Whether a cut separates it from the bucket in front (always for the first)."""
+    adjustments: tuple[BoundaryAdjustment, ...] = ()
+    """Where its front cut moved from the wanted place, or why it was dropped."""
+
+
+def ready_order(params: ParamTable) -> tuple[ParamUse, ...]:
+    """The order ddp_split makes the graph's gradients ready in (Note [Pieces are DDP's
+    buckets]): the node completing them, last first; within a node, smallest first, so that
+    a bucket DDP fills up inside a node closes on that node's last (largest) parameter."""
+    return tuple(sorted(params.params, key=lambda use: (-use.first_use, use.nbytes)))
+
+
+def _pack_like_ddp(order: Sequence[ParamUse], caps: BucketCaps) -> list[_Bucket]:
+    """DDP's buckets over gradients that become ready in ``order``, by the reducer's rule: a
+    bucket closes on the gradient that brings it to its cap (the first bucket's cap, then
+    the cap). Returned in forward order (DDP's last bucket first)."""
+    found: list[_Bucket] = []
+    held: list[ParamUse] = []
+    for use in order:
+        held.append(use)
+        if sum(u.nbytes for u in held) >= (caps.bytes if found else caps.first_bytes):
+            found.append(_bucket_of(held))
+            held = []
+    if held or not found:
+        found.append(_bucket_of(held))
+    return found[::-1]
+
+
+def _bucket_of(held: Sequence[ParamUse]) -> _Bucket:
+    return _Bucket(
+        names=tuple(u.name for u in held),
+        nbytes=sum(u.nbytes for u in held),
+        front=min((u.first_use for u in held), default=_NO_NODE),
+        back=max((u.first_use for u in held), default=-1),
+    )
+
+
+_NO_NODE = 1 << 62
+
+
+def _place_cuts(layout: GraphLayout, found: list[_Bucket]) -> list[_Bucket]:
+    """Where each bucket's front cut goes (Note [Bucket plan]): in front of its first node
+    if that is legal, else the nearest legal place earlier that still leaves the bucket in
+    front every one of its parameters; with none, no cut (the two buckets share a piece)."""
+    nodes = layout.nodes
+    placed = [dataclasses.replace(found[0], start=0)]
+    for ahead, bucket in zip(found, found[1:]):
+        wanted = min(bucket.front, len(nodes) - 1)
+        if bucket.front == _NO_NODE or ahead.back >= wanted:
+            reason = AdjustReason.SHARED_NODE if bucket.front != _NO_NODE else AdjustReason.NO_OUTPUT
+            at = None
+        else:
+            reason = layout.blocked[wanted]
+            at = next((p for p in range(wanted, ahead.back, -1) if layout.blocked[p] is None), None)
+        adjustments: tuple[BoundaryAdjustment, ...] = ()
+        if at != wanted:
+            placed_before = nodes[at].name if at is not None else None
+            adjustments = (BoundaryAdjustment(reason, nodes[wanted].name, placed_before),)
+        start = at if at is not None else max(wanted, placed[-1].start)
+        placed.append(dataclasses.replace(bucket, start=start, cut=at is not None, adjustments=adjustments))
+    return placed
+
+
+def _units(built: Sequence[_Bucket]) -> list[list[int]]:
+    """Runs of buckets (indices, forward order) with no cut between them: the units pieces
+    are made of."""
+    units: list[list[int]] = []
+    for index, bucket in enumerate(built):
+        if bucket.cut or not units:
+            units.append([index])
+        else:
+            units[-1].append(index)
+    return units
+
+
+def _stop(built: Sequence[_Bucket], index: int, count: int) -> int:
+    return built[index + 1].start if index + 1 < len(built) else count
 
 
 def plan_buckets(
@@ -390,73 +471,29 @@ def plan_buckets(
     with ``costs``, group buckets by predicted step time (Note [Choosing pieces by cost])."""
     nodes = layout.nodes
     count = len(nodes)
-    completed = params.completed_at()
-
-    # Reverse walk: buckets are found last first.
-    built: list[_Bucket] = []
-    nbytes, names, adjustments = 0, [], []
-    size = 0  # nodes in the current bucket
-    wanted: int | None = None
-    wanted_reason: AdjustReason | None = None
-    bytes_since_wanted = 0  # parameter bytes in front of the wanted cut
-    for i in range(count - 1, -1, -1):
-        cap = caps.first_bytes if not built else caps.bytes
-        if size and nbytes >= cap:
-            cut = i + 1
-            if wanted is None:
-                wanted = cut
-            reason = layout.blocked[cut] if cut < count else AdjustReason.NO_OUTPUT
-            if reason is None:
-                if wanted != cut and wanted_reason is not None:
-                    adjustments.append(
-                        BoundaryAdjustment(wanted_reason, nodes[wanted].name, nodes[cut].name)
-                    )
-                built.append(_Bucket(cut, nbytes, tuple(names), tuple(adjustments)))
-                nbytes, names, adjustments, size = 0, [], [], 0
-                wanted = wanted_reason = None
-                bytes_since_wanted = 0
-            elif wanted_reason is None:
-                wanted_reason = reason
-        size += 1
-        for use in reversed(completed.get(i, ())):
-            nbytes += use.nbytes
-            names.append(use.name)
-            if wanted is not None:
-                bytes_since_wanted += use.nbytes
-    # A cut still wanted at the start only matters if parameters lie in front of it (a
-    # parameter-free front would be folded back anyway).
-    if wanted is not None and wanted < count and wanted_reason is not None and bytes_since_wanted:
-        adjustments.append(BoundaryAdjustment(wanted_reason, nodes[wanted].name, None))
-    built.append(_Bucket(0, nbytes, tuple(names), tuple(adjustments)))
-    built.reverse()
-
-    if len(built) > 1 and built[0].nbytes == 0:
-        first, second = built[0], built[1]
-        folded = BoundaryAdjustment(AdjustReason.LEADING_NO_PARAMS, nodes[second.start].name, None)
-        built[:2] = [_Bucket(0, second.nbytes, first.names + second.names, (*first.adjustments, *second.adjustments, folded))]
-
-    stops = [b.start for b in built[1:]] + [count]
+    built = _place_cuts(layout, _pack_like_ddp(ready_order(params), caps))
+    units = _units(built)
     sizing, whole = None, None
     if len(built) > 1 and not any(state.grad for state in layout.states):
-        piece_of, whole = [0] * len(built), WholeReason.NO_BACKWARD
+        unit_piece, whole = [0] * len(units), WholeReason.NO_BACKWARD
     elif costs is not None:
-        piece_of, sizing = _group_by_cost([(b.start, stop, b.nbytes) for b, stop in zip(built, stops)], costs)
+        spans = [(built[u[0]].start, _stop(built, u[-1], count), sum(built[i].nbytes for i in u)) for u in units]
+        unit_piece, sizing = _group_by_cost(spans, costs)
     else:
-        piece_of = _group_buckets([b.nbytes for b in built], min_piece_bytes)
-    buckets = []
-    for index, found in enumerate(built):
-        stop = built[index + 1].start if index + 1 < len(built) else count
-        buckets.append(
-            BucketPlan(
-                piece=piece_of[index],
-                bucket=len(built) - 1 - index,
-                nbytes=found.nbytes,
-                params=tuple(reversed(found.names)),
-                start=found.start,
-                stop=stop,
-                adjustments=found.adjustments,
-            )
+        unit_piece = _group_buckets([sum(built[i].nbytes for i in u) for u in units], min_piece_bytes)
+    piece_of = [unit_piece[k] for k, unit in enumerate(units) for _ in unit]
+    buckets = [
+        BucketPlan(
+            piece=piece_of[index],
+            bucket=len(built) - 1 - index,
+            nbytes=found.nbytes,
+            params=tuple(reversed(found.names)),
+            start=found.start,
+            stop=_stop(built, index, count),
+            adjustments=found.adjustments,
         )
+        for index, found in enumerate(built)
+    ]
     return SplitPlan(
         buckets=tuple(buckets),
         caps=caps,

@@ -17,6 +17,7 @@ from typing import Any
 
 from . import _torch
 from .guards import GlobalState, capture_call
+from .ready_order import ReadyOrder, make_views
 from .split import SplitGraph
 
 __all__ = ["GuardedCallable", "StitchedCallable"]
@@ -66,6 +67,7 @@ class StitchedCallable:
         split: SplitGraph,
         compiled: Sequence[Callable[..., Any]],
         compiler_names: Sequence[str],
+        order: ReadyOrder | None = None,
     ) -> None:
         self._steps = tuple(
             _Step(fn, piece.inputs, piece.outputs, piece.release, piece.grad)
@@ -81,17 +83,24 @@ class StitchedCallable:
         self._constants = split.output_constants
         self._spec = split.output_spec
         self._first_call: GlobalState | None = None
+        self._order = order
+        """Until DDP has rebuilt its buckets: the views that order each piece's gradients
+        (Note [Pieces are DDP's buckets] in ready_order.py)."""
 
     def __call__(self, *args: Any) -> Any:
         values: list[Any] = [*args, *([None] * (self._num_slots - self._num_inputs))]
         if self._first_call is None:
             self._first_call = GlobalState.capture()
         call = capture_call()
+        ordering = self._order is not None and self._order.pending()
         index = 0
         try:
             for index, step in enumerate(self._steps):
                 _torch.set_grad_enabled(step.grad)  # as the piece was compiled
-                results = step.fn(*[values[s] for s in step.inputs])
+                piece_args = [values[s] for s in step.inputs]
+                if ordering and step.grad:
+                    make_views(self._order.views[index], piece_args)  # type: ignore[union-attr]
+                results = step.fn(*piece_args)
                 for s, v in zip(step.outputs, results):
                     values[s] = v
                 for s in step.release:

@@ -18,18 +18,11 @@ Example::
 
 Note [Gradient order inside a piece]
 ------------------------------------
-All gradients of a piece become ready together, when the piece's backward finishes. DDP's
-reducer rebuilds its buckets after the first iteration by walking parameters in ready order
-and closing a bucket right after the parameter that reaches the cap, while the planner closes
-a piece after the *node* that reaches it. The piece's parameters are placed last among its
-inputs, in ascending size, so that with few parameters per piece (a weight and a bias per
-node: stacks of Linear layers) the largest parameter of the piece's final node is the one that
-reaches the cap and the reducer closes its bucket exactly at the piece boundary. Autograd does
-not promise that order, though: the accumulations of one piece all wait in its ready queue
-with equal priority, and for pieces holding many parameters (LayerNorms, biases, attention
-projections) they come out permuted, so the rebuilt bucket closes inside the piece and its
-remainder waits for the next piece. Measured on transformers/timm/torchvision models
-(tests/test_real_models.py): no rebuilt bucket ever waits for more than two pieces.
+All gradients of a piece become ready together, when the piece's backward finishes, and
+autograd accumulates them in an order its ready queue chooses. The order DDP's rebuild sees
+is fixed at run time instead (Note [Pieces are DDP's buckets] in ready_order.py); a piece's
+parameters are still placed last among its inputs, in ascending size, so that its graph
+reads the same whatever order Dynamo lifted them in.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from .torchvision_cpu import define_torchvision_operators
 
 define_torchvision_operators()  # before transformers, timm or torchvision is imported
 
-__all__ = ["MODELS", "RealCase", "CASES", "RUN", "run_real_cases", "why_not_run"]
+__all__ = ["MODELS", "MORE_MODELS", "RealCase", "CASES", "RUN", "run_real_cases", "why_not_run"]
 
 VOCAB = 64
 SEQ = 16
@@ -87,6 +87,27 @@ def bert() -> nn.Module:
     return BertForMaskedLM(config)
 
 
+def t5() -> nn.Module:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+        num_heads=4, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+    )
+    return T5ForConditionalGeneration(config)
+
+
+def mixtral() -> nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+        num_local_experts=4, num_experts_per_tok=2, attn_implementation="sdpa",
+    )
+    return MixtralForCausalLM(config)
+
+
 def vit() -> nn.Module:
     import timm
 
@@ -137,8 +158,14 @@ class RealCase:
         return f"{self.model}-{self.inner}-{self.wrap}-{'bf16' if self.amp else 'fp32'}-{self.cap}"
 
 
+MORE_MODELS: dict[str, RealModel] = {
+    "t5": RealModel(t5, _tokens, _hf_loss),
+    "mixtral": RealModel(mixtral, _tokens, _hf_loss),
+}
+"""Models only the bucket test trains (tests/test_ddp_buckets.py), not the matrix above."""
+
 LIBRARY = {"gpt2": "transformers", "llama": "transformers", "bert": "transformers", "vit": "timm",
-           "resnet18": "torchvision"}
+           "resnet18": "torchvision", "t5": "transformers", "mixtral": "transformers"}
 """The library each model is built from."""
 SELECT_ENV = "DDP_SPLIT_REAL_MODELS"
 """Comma-separated model names to run (the torch matrix runs ``gpt2,llama``); unset: all."""

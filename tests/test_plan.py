@@ -188,18 +188,17 @@ class DualThroughTwoLayers(nn.Module):
         return self.c(p + t)
 
 
-def test_dual_tensor_cut_is_moved_then_folded_with_both_reasons(counting) -> None:
-    """The cut wanted in front of ``h`` (between the two dual layers) moves to the dual
-    tensor's making (``d``); the piece in front then holds no parameters and is folded."""
+def test_dual_tensor_cut_is_dropped_and_the_two_buckets_share_a_piece(counting) -> None:
+    """DDP still makes three buckets (one per layer); the cut wanted in front of ``h``
+    (between the two dual layers) has no legal place between ``a``'s and ``b``'s parameters,
+    so those two buckets share the first piece, and the plan says why."""
     backend = _compile_plan(DualThroughTwoLayers(), torch.randn(2, 16), counting,
                             bucket_cap_mb=0.0005, first_bucket_cap_mb=0.0005)
     plan = backend.records[-1].plan
-    assert len(plan.buckets) == 2
+    assert [b.params for b in plan.buckets] == [("a.weight", "a.bias"), ("b.weight", "b.bias"), ("c.weight", "c.bias")]
+    assert [b.piece for b in plan.buckets] == [0, 0, 1]
     moved = [(b.piece, a.reason, a.wanted_before, a.placed_before) for b in plan.buckets for a in b.adjustments]
-    assert moved == [
-        (0, AdjustReason.DUAL_TENSOR, "h", "d"),
-        (0, AdjustReason.LEADING_NO_PARAMS, "d", None),
-    ]
+    assert moved == [(0, AdjustReason.DUAL_TENSOR, "h", None)]
 
 
 class _ThreeLinears(nn.Module):
