@@ -111,7 +111,6 @@ __all__ = [  # every name the package uses (tests/test_compile_stage.py checks t
     "storage_id",
     "trace_structured",
     "tracing",
-    "unset_fake_mode",
     "user_saved_tensor_hooks_off",
 ]
 
@@ -340,9 +339,6 @@ CompileContext = _resolve("torch._guards.CompileContext", "Dynamo's compile id f
 detect_fake_mode = _resolve("torch._guards.detect_fake_mode", "the fake mode Dynamo traced with")
 FakeTensor = _resolve("torch._subclasses.fake_tensor.FakeTensor", "tells fake example values from real ones")
 FakeTensorMode = _resolve("torch._subclasses.fake_tensor.FakeTensorMode", "runs pieces on fake inputs")
-unset_fake_mode = _resolve(
-    "torch._subclasses.fake_tensor.unset_fake_temporarily", "min_piece_mb='auto' times real kernels while compiling"
-)
 tracing = _resolve("torch._guards.tracing", "installs a piece's own tracing context while it compiles")
 lookup_backend = _resolve("torch._dynamo.backends.registry.lookup_backend", "inner backend by name")
 list_backends = _resolve("torch._dynamo.list_backends", "valid inner backend names")

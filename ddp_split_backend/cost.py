@@ -7,15 +7,16 @@ wrapper and autograd Function forward and backward, one more autograd node, and 
 ddp_split's loop. ``benchmarks/profile_ops.py`` measured where it goes (RESULTS.md, "Where
 the split's cost goes": AOTAutograd's wrappers 0.29 ms, the engine 0.05 ms, our loop 0.055 ms
 per piece on the project CPU), and ``benchmarks/step_overhead.py`` measured it whole per inner
-backend (:data:`FIXED_COST_S`). It is host (Python) time, so it is scaled by how fast this
-host runs Python relative to the machine it was measured on (:func:`host_speed`).
+backend (:data:`FIXED_COST_S`).
 
 A bucket's *backward* time is estimated from what its nodes compute, read off the example
 values Dynamo recorded (fake tensors, no compute): matrix products and convolutions by their
 FLOPs, and every node by the bytes it reads and writes and one op's launch; backward does
 about twice forward's work (gradients with respect to inputs and weights). These become
-seconds through this device's measured rates (:func:`device_rates`: a matmul, a copy and a
-tiny op, timed once per device and thread count).
+seconds through fixed rates per device type (:data:`DEVICE_RATES`), never timed at compile
+time: a plan is a function of the graph, its parameters and the options only, so every rank
+makes the same one (two ranks timing their own host could rank two nearly equal groupings
+differently).
 
 The estimates are for choosing a grouping, not for reporting: they only need to rank
 groupings the way the real step times would.
@@ -23,10 +24,8 @@ groupings the way the real step times would.
 
 from __future__ import annotations
 
-import functools
 import math
 import operator
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,15 +36,11 @@ import torch.nn.functional as F
 
 from . import _torch
 
-__all__ = ["FIXED_COST_S", "DeviceRates", "device_rates", "fixed_cost_s", "host_speed", "node_backward_s"]
+__all__ = ["DEVICE_RATES", "FIXED_COST_S", "DeviceRates", "device_rates", "fixed_cost_s", "node_backward_s"]
 
 FIXED_COST_S = {"inductor": 0.18e-3, "aot_eager": 0.31e-3}
 """Per-step cost of one piece, measured on the project CPU (RESULTS.md 14.1, 2026-12-04:
 (x1 - x32) / 31 on the overhead model). Other inner backends use the larger one."""
-_REFERENCE_HOST_S = 5.5e-8
-""":func:`_python_probe`'s time on the machine :data:`FIXED_COST_S` was measured on (the
-project CPU, best of 5, 2026-12-05)."""
-
 _MATMULS = {torch.matmul, operator.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm, torch.addbmm}
 _MATMUL_METHODS = {"matmul", "mm", "bmm", "addmm", "baddbmm", "__matmul__"}
 _CONVS = {torch.conv1d, torch.conv2d, torch.conv3d, F.conv1d, F.conv2d, F.conv3d,
@@ -55,7 +50,7 @@ _LINEARS = {F.linear}  # the builtin Dynamo records for F.linear and nn.Linear
 
 @dataclass(frozen=True, slots=True)
 class DeviceRates:
-    """How fast this device computes, measured."""
+    """How fast a device computes, for estimates."""
 
     flops_per_s: float
     bytes_per_s: float
@@ -63,7 +58,14 @@ class DeviceRates:
     """One small op from Python (dispatch and launch, no work)."""
 
 
-_RATES: dict[tuple[str, int], DeviceRates] = {}
+DEVICE_RATES = {
+    "cpu": DeviceRates(flops_per_s=2.05e11, bytes_per_s=6.2e10, op_s=3.1e-6),
+    "cuda": DeviceRates(flops_per_s=50e12, bytes_per_s=2.0e12, op_s=10e-6),
+}
+"""Rates per device type. ``cpu``: this project's 2-core CPU, measured by
+``benchmarks/device_rates.py`` (2026-12-07, median of 5: a 256 x 256 matmul on one thread times
+the thread count, a 4 MiB clone, a 16-element add). ``cuda``: an H100's order of magnitude
+(FP32 matmuls, HBM bandwidth, one kernel launch from Python). Other devices use the CPU's."""
 
 
 def _value(arg: Any) -> Any:
@@ -130,66 +132,11 @@ def node_backward_s(nodes: Sequence[fx.Node], gm: fx.GraphModule, rates: DeviceR
 
 
 def device_rates(device: torch.device) -> DeviceRates:
-    """Matmul FLOPs and copy bytes per second on ``device``, and one small op's time
-    (measured once per device and thread count, with autocast off and no autograd; tens of
-    ms). On the CPU the kernels are timed on one thread and scaled by the thread count: with
-    every thread, another process starting up (inductor's compile workers do, at the first
-    compile) can slow a multi-threaded matmul tenfold, one thread only by its share."""
-    threads = torch.get_num_threads()
-    key = (str(device), threads)
-    if key not in _RATES:
-        with _torch.unset_fake_mode(), torch.no_grad(), torch.autocast(device.type, enabled=False):
-            if device.type == "cpu":
-                torch.set_num_threads(1)
-            try:
-                n = 1024 if device.type == "cuda" else 256
-                a = torch.randn(n, n, device=device)
-                big = torch.empty(2**20, device=device)
-                small = torch.empty(16, device=device)
-                matmul = _best_of(lambda: a @ a, device)
-                copy = _best_of(lambda: big.clone(), device)
-                op = _best_of(lambda: small.add(1.0), device, repeats=50)
-            finally:
-                torch.set_num_threads(threads)
-        scale = threads if device.type == "cpu" else 1
-        _RATES[key] = DeviceRates(
-            flops_per_s=scale * 2.0 * n**3 / matmul, bytes_per_s=2.0 * big.numel() * 4 / copy, op_s=op
-        )
-    return _RATES[key]
-
-
-def _best_of(fn: Any, device: torch.device, repeats: int = 5) -> float:
-    fn()
-    best = math.inf
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return max(best, 1e-9)
-
-
-def _python_probe() -> float:
-    """Seconds per turn of a small pure-Python loop (dict lookups, calls)."""
-    table = {i: i for i in range(64)}
-    start = time.perf_counter()
-    total = 0
-    for i in range(20_000):
-        total += table[i & 63]
-    return (time.perf_counter() - start) / 20_000
-
-
-@functools.cache
-def host_speed() -> float:
-    """This host's Python speed relative to the machine :data:`FIXED_COST_S` was measured on
-    (> 1: slower), from the best of a few short probes (measured once)."""
-    return min(_python_probe() for _ in range(5)) / _REFERENCE_HOST_S
+    """The rates estimates on ``device`` use (:data:`DEVICE_RATES`; nothing is timed)."""
+    return DEVICE_RATES.get(device.type, DEVICE_RATES["cpu"])
 
 
 def fixed_cost_s(inner: object) -> float:
-    """One piece's fixed cost per step with this inner backend on this host."""
+    """One piece's fixed cost per step with this inner backend."""
     name = inner if isinstance(inner, str) else None
-    return FIXED_COST_S.get(name, max(FIXED_COST_S.values())) * host_speed()
+    return FIXED_COST_S.get(name, max(FIXED_COST_S.values()))
