@@ -174,7 +174,7 @@ def _ready_order(planned: _Planned, split: SplitGraph, check: BucketCheck) -> Re
     whole = plan.share is None
     return ReadyOrder(
         ddp, views, pieces, {name: use.nbytes for name, use in uses.items()}, params, plan.caps,
-        check if whole else None, functools.partial(log_buckets_checked, plan.graph_name),
+        check if whole else None, functools.partial(log_buckets_checked, plan.graph_name), plan.graph_name,
     )
 
 

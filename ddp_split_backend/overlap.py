@@ -36,6 +36,7 @@ import logging
 import math
 import statistics
 import textwrap
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +50,7 @@ from . import _torch
 from .clock import Clock
 from .diagnostics import summary_log
 from .plan import TABLE_WIDTH
+from .ready_order import pieces_of_buckets
 
 __all__ = [
     "BucketTiming", "OverlapReport", "OverlapWatch", "StepOverlap", "link_seconds_per_byte", "watch_overlap",
@@ -148,6 +150,9 @@ class OverlapReport:
 
     steps: tuple[StepOverlap, ...]
     device: str
+    pieces: dict[int, str] = field(default_factory=dict)
+    """Per DDP bucket index, the ddp_split piece it ended up as, once DDP rebuilt its buckets
+    (Note [Pieces are DDP's buckets]); empty without one."""
 
     @property
     def median_exposed_share(self) -> float:
@@ -211,10 +216,11 @@ class OverlapReport:
         median = self.median_step()
         assert median is not None
         lines.append(f"  step {median.step}, ms relative to the end of backward:")
-        lines.append("  bucket       bytes    ready  launched  completed")
+        lines.append("  bucket       bytes    ready  launched  completed  ddp_split piece")
         for b in median.buckets:
             lines.append(
                 f"  {b.bucket:6d}  {b.nbytes:10,}  {b.ready * 1e3:7.2f}  {b.launched * 1e3:8.2f}  {b.completed * 1e3:9.2f}"
+                f"  {self.pieces.get(b.bucket, '-')}"
             )
         return "\n".join(lines)
 
@@ -252,6 +258,7 @@ class OverlapWatch:
     def __init__(self, ddp: torch.nn.Module, hook: Callable[..., Any], state: Any, warmup: int, steps: int) -> None:
         self.hook, self.state = hook, state
         self.warmup, self.steps = warmup, steps
+        self._ddp = weakref.ref(ddp)
         self._forwards = 0
         self._measured: list[_Step] = []
         self._current: _Step | None = None
@@ -339,7 +346,9 @@ class OverlapWatch:
             end = max(ready for _, ready, _, _ in rel)
             buckets = tuple(BucketTiming(b.bucket, b.nbytes, r - end, la - end, c - end) for b, r, la, c in rel)
             steps.append(StepOverlap(step.index, end, buckets))
-        return OverlapReport(tuple(steps), "cuda" if clock.cuda else "cpu")
+        ddp = self._ddp()
+        pieces = pieces_of_buckets(ddp) if ddp is not None else {}
+        return OverlapReport(tuple(steps), "cuda" if clock.cuda else "cpu", pieces)
 
 
 def watch_overlap(

@@ -24,8 +24,8 @@ what it rests on is the engine's priority rule and DDP's packing rule, both chec
 ``tests/test_ddp_buckets.py`` against the buckets DDP's reducer really holds. The views cost
 one autograd node per parameter, for the one or two steps before DDP rebuilds.
 
-Once DDP has rebuilt, the order the hooks fired in (recorded with post-accumulate hooks
-while views are made) is packed by DDP's rule once more and compared with the plan:
+At the end of each backward before DDP's rebuild, the order the hooks fired in (recorded
+with post-accumulate hooks) is packed by DDP's rule once more and compared with the plan:
 :class:`BucketCheck`, on the graph's record. A piece that is not one of DDP's buckets warns
 once, naming the buckets that straddle pieces. A graph that holds part of DDP's gradients
 (a graph break) cannot match DDP's buckets, which span graphs, and is not checked.
@@ -45,7 +45,7 @@ import torch
 from . import _torch
 from .config import BucketCaps
 
-__all__ = ["BucketCheck", "ReadyOrder", "ddp_packing"]
+__all__ = ["BucketCheck", "ReadyOrder", "ddp_packing", "pieces_of_buckets"]
 
 
 @dataclass(slots=True)
@@ -53,7 +53,8 @@ class BucketCheck:
     """Whether the buckets DDP rebuilt are the graph's pieces (filled in after the rebuild)."""
 
     done: bool = False
-    """DDP has rebuilt and the buckets were compared; the fields below are final."""
+    """The buckets were compared, from the order of the first backward (refreshed by each
+    backward until DDP has rebuilt: then final)."""
     ddp_buckets: tuple[tuple[str, ...], ...] = ()
     """DDP's buckets over this graph's parameters, bucket 0 (ready first) first."""
     piece_of_bucket: tuple[tuple[int, ...], ...] = ()
@@ -88,15 +89,29 @@ def ddp_packing(order: Sequence[tuple[str, int]], caps: BucketCaps) -> list[tupl
 
 @dataclass(slots=True)
 class _Seen:
-    """Hook order of the backward running now (reset at each forward while ordering)."""
+    """Hook order of the backward running now."""
 
     names: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
+_checks: weakref.WeakKeyDictionary[torch.nn.Module, list[tuple[str, BucketCheck]]] = weakref.WeakKeyDictionary()
+"""Per DDP module, the checks of the graphs planned against it (graph name, check)."""
+
+
+def pieces_of_buckets(ddp: torch.nn.Module) -> dict[int, str]:
+    """Per DDP bucket index, the piece that holds it (``graph 0 piece 3``), from the latest
+    graph compared against ``ddp``'s rebuilt buckets; empty when none was."""
+    done = [(name, check) for name, check in _checks.get(ddp, ()) if check.done]
+    if not done:
+        return {}
+    name, check = done[-1]
+    return {i: f"{name.split(' [')[0]} piece {', '.join(map(str, held))}" for i, held in enumerate(check.piece_of_bucket)}
+
+
 class ReadyOrder:
     """Per piece, which inputs to pass through a view, and whether to (Note [Pieces are
-    DDP's buckets]); then, once, the check of DDP's rebuilt buckets.
+    DDP's buckets]); and the check of the buckets DDP builds from the order seen.
 
     Args:
         ddp: the DDP module whose buckets the plan predicts (held weakly).
@@ -106,7 +121,9 @@ class ReadyOrder:
         params: the parameters of the graph, by name (hooks record their ready order).
         caps: the caps the plan packed with.
         check: where the comparison goes; ``None``: not compared (part of the model).
-        on_checked: called once with the filled-in check.
+        on_checked: called with the filled-in check, again only if a later backward before
+            DDP's rebuild changes it.
+        graph_name: the graph's name, for :func:`pieces_of_buckets`.
     """
 
     def __init__(
@@ -119,8 +136,11 @@ class ReadyOrder:
         caps: BucketCaps,
         check: BucketCheck | None,
         on_checked: Callable[[BucketCheck], None],
+        graph_name: str = "",
     ) -> None:
         self.views = tuple(views)
+        if check is not None:
+            _checks.setdefault(ddp, []).append((graph_name, check))
         self._ddp = weakref.ref(ddp)
         self._pieces = tuple(pieces)
         self._sizes = sizes
@@ -138,42 +158,52 @@ class ReadyOrder:
 
         def record(_: torch.Tensor) -> None:
             with seen.lock:
+                first = not seen.names
                 seen.names.append(name)
+            if first:  # the backward's order is complete when it ends
+                _torch.queue_after_backward(self._compare)
 
         return record
 
     def pending(self) -> bool:
-        """Whether this call makes the views: DDP has yet to rebuild its buckets. The first
-        call that finds it rebuilt compares the buckets and ends the ordering for good."""
-        if not self._pending:
-            return False
+        """Whether this call makes the views: DDP has yet to rebuild its buckets (and grad
+        is on). The first call that finds it rebuilt ends the ordering for good."""
+        if self._pending and self._rebuilt():
+            self._pending = False
+        return self._pending and torch.is_grad_enabled()
+
+    def _rebuilt(self) -> bool:
+        """Whether DDP has rebuilt (or is gone); then the hooks are removed."""
         ddp = self._ddp()
         if ddp is not None and _torch.ddp_rebuilds_buckets_later(ddp):
-            with self._seen.lock:
-                self._seen.names.clear()  # a new step: its backward's order is what counts
-            return torch.is_grad_enabled()
-        self._pending = False
+            return False
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        if ddp is not None and self._check is not None and self._seen.names:
-            self._compare()
-        return False
+        return True
 
     def _compare(self) -> None:
+        """DDP's packing of the order the backward that just ended saw, against the pieces
+        (DDP rebuilds from its first synchronised backward, or its second with a static
+        graph: each backward before then refreshes the check)."""
+        with self._seen.lock:
+            names, self._seen.names = self._seen.names, []
         check = self._check
-        assert check is not None
-        order = [(name, self._sizes[name]) for name in self._seen.names if name in self._sizes]
-        buckets = ddp_packing(order, self._caps)
-        piece_of = {name: i for i, names in enumerate(self._pieces) for name in names}
+        if check is None or not self._pending or self._rebuilt():  # DDP rebuilt from an earlier backward
+            return
+        before = (check.ddp_buckets, check.piece_of_bucket)
+        buckets = ddp_packing([(n, self._sizes[n]) for n in names if n in self._sizes], self._caps)
+        piece_of = {name: i for i, held in enumerate(self._pieces) for name in held}
         check.ddp_buckets = tuple(buckets)
         check.piece_of_bucket = tuple(tuple(sorted({piece_of[n] for n in b if n in piece_of})) for b in buckets)
         found = {frozenset(b) for b in buckets}
         held = [names for names in self._pieces if names]
         check.pieces = len(held)
         check.pieces_matched = sum(names in found for names in held)
+        reported = check.done
         check.done = True
-        self._on_checked(check)
+        if not reported or before != (check.ddp_buckets, check.piece_of_bucket):
+            self._on_checked(check)
 
 
 def warn_straddling(graph_name: str, check: BucketCheck) -> None:

@@ -77,14 +77,14 @@ def test_ddp_case_matches_eager_on_every_rank(case_results, case: str) -> None:
         assert per_rank[0]["graphs"] == 2  # one graph per branch
 
 
-EXACT_BUCKET_CASES = ["plain", "static_graph", "bucket_view", "no_sync", "recompile", "compile_inside"]
+EXACT_BUCKET_CASES = ["plain", "gpt_autocast", "static_graph", "bucket_view", "no_sync", "recompile", "compile_inside"]
 
 
 def test_pieces_agree_with_ddp_reducer_buckets(case_results) -> None:
-    """What docs/design.md promises ("Pieces and DDP's buckets"): on Linear stacks the
-    pieces are DDP's rebuilt buckets, one for one, in every DDP mode that rebuilds buckets
-    (``find_unused_parameters`` keeps DDP's initial, registration-order buckets); on any model
-    no rebuilt bucket waits for more than two pieces."""
+    """What docs/design.md promises ("Pieces and DDP's buckets"): the pieces are DDP's
+    rebuilt buckets, one for one, in every DDP mode that rebuilds buckets, the example GPT
+    (LayerNorms, biases, tied embeddings) included; ``find_unused_parameters`` keeps DDP's
+    initial, registration-order buckets, and there no bucket waits for more than two pieces."""
     report = {case: (r["matched"], r["plan_pieces"], r["spans"]) for case, r in case_results[0].items()}
     print("pieces matching a reducer bucket (matched, pieces, pieces per bucket):", report)
     for case in EXACT_BUCKET_CASES:

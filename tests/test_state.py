@@ -221,7 +221,7 @@ def test_regression_piece_starting_in_inference_mode_falls_back_when_aot_cannot_
     actual.sum().backward()
     assert_grads_equal(model, want)
     record = backend.records[-1]
-    assert len(record.plan.buckets) == 2
+    assert len(record.plan.pieces) == 2
     # 2.11/2.12: the first piece holds the inference_mode region too, and runs eagerly as well.
     first = Outcome.COMPILED if _torch.aot_compiles_inference_mode_under_autograd() else Outcome.EAGER_FALLBACK
     assert [r.outcome for r in record.pieces] == [first, Outcome.EAGER_FALLBACK]
