@@ -39,7 +39,9 @@ def _fresh_dynamo() -> Iterator[None]:
 def _no_unexpected_fallback(request) -> Iterator[None]:
     """Fail a test in which a piece fell back to eager unless it expected that: with
     ``pytest.warns``/its own ``catch_warnings`` (which take the warning before it gets here) or
-    the ``expects_fallback`` marker. Other warnings are passed on to pytest."""
+    the ``expects_fallback`` marker (``expects_fallback(condition)``: only where the condition
+    holds, e.g. on a torch release that cannot compile the test's region). Other warnings are
+    passed on to pytest."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", InnerFallbackWarning)
         yield
@@ -47,7 +49,9 @@ def _no_unexpected_fallback(request) -> Iterator[None]:
     for w in caught:
         if not issubclass(w.category, InnerFallbackWarning):
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
-    if fallbacks and request.node.get_closest_marker("expects_fallback") is None:
+    marker = request.node.get_closest_marker("expects_fallback")
+    expected = marker is not None and (not marker.args or bool(marker.args[0]))
+    if fallbacks and not expected:
         pytest.fail("unexpected eager fallback:\n" + "\n".join(str(w.message)[:1000] for w in fallbacks))
 
 

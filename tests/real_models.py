@@ -183,13 +183,14 @@ def why_not_run(model: str) -> str | None:
 
 
 def _cases() -> list[RealCase]:
-    """Per model: each inner backend once with each wrapping order, precision and cap."""
+    """Per model: aot_eager with each wrapping order, precision and cap, and inductor under
+    bf16 autocast (``inductor-inside-fp32-small`` was dropped on 2026-12-07 to keep the
+    default suite near 10 minutes: each of its parts is in another case)."""
     cases = []
     for model in MODELS:
         cases.append(RealCase(model, "aot_eager", "outside", False, "several"))
         cases.append(RealCase(model, "aot_eager", "inside", True, "small"))
         cases.append(RealCase(model, "inductor", "outside", True, "several"))
-        cases.append(RealCase(model, "inductor", "inside", False, "small"))
     return cases
 
 
