@@ -172,8 +172,9 @@ def _ready_order(planned: _Planned, split: SplitGraph, check: BucketCheck) -> Re
     named = dict(_ddp_parameters(ddp))
     params = {name: named[name] for name in uses if name in named}
     whole = plan.share is None
+    buckets = [frozenset(b.params) for b in plan.buckets]
     return ReadyOrder(
-        ddp, views, pieces, {name: use.nbytes for name, use in uses.items()}, params, plan.caps,
+        ddp, views, pieces, buckets, {name: use.nbytes for name, use in uses.items()}, params, plan.caps,
         check if whole else None, functools.partial(log_buckets_checked, plan.graph_name), plan.graph_name,
     )
 

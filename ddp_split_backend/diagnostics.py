@@ -118,8 +118,10 @@ def log_buckets_checked(graph_name: str, check: BucketCheck) -> None:
             f"bucket {i}: piece {', '.join(map(str, pieces))}" for i, pieces in enumerate(check.piece_of_bucket)
         )
         log.info(
-            "ddp_split %s: DDP rebuilt its buckets; %d of %d pieces are one DDP bucket each\n%s",
-            graph_name, check.pieces_matched, check.pieces,
+            "ddp_split %s: DDP rebuilt %d buckets, %d of the plan's %d among them; %d of %d pieces are one "
+            "bucket each\n%s",
+            graph_name, len(check.ddp_buckets), check.buckets_matched, check.buckets, check.pieces_matched,
+            check.pieces,
             textwrap.fill(held, TABLE_WIDTH, initial_indent="  ", subsequent_indent="    "),
         )
     warn_straddling(graph_name, check)

@@ -59,8 +59,13 @@ class BucketCheck:
     """DDP's buckets over this graph's parameters, bucket 0 (ready first) first."""
     piece_of_bucket: tuple[tuple[int, ...], ...] = ()
     """Per DDP bucket, the pieces holding its parameters (one piece when it matches)."""
+    buckets_matched: int = 0
+    """The plan's buckets that are exactly one of DDP's."""
+    buckets: int = 0
+    """The plan's buckets holding parameters."""
     pieces_matched: int = 0
-    """Pieces whose parameters are exactly one DDP bucket."""
+    """Pieces whose parameters are exactly one DDP bucket (all of them, with a piece per
+    bucket; none where ``min_piece_mb`` groups buckets)."""
     pieces: int = 0
     """Pieces holding parameters."""
 
@@ -68,6 +73,11 @@ class BucketCheck:
     def straddling(self) -> tuple[int, ...]:
         """DDP buckets whose parameters come from more than one piece."""
         return tuple(i for i, held in enumerate(self.piece_of_bucket) if len(held) > 1)
+
+    @property
+    def as_planned(self) -> bool:
+        """DDP's buckets are the plan's, and none straddles pieces."""
+        return self.buckets_matched == self.buckets and not self.straddling
 
 
 def ddp_packing(order: Sequence[tuple[str, int]], caps: BucketCaps) -> list[tuple[str, ...]]:
@@ -117,6 +127,7 @@ class ReadyOrder:
         ddp: the DDP module whose buckets the plan predicts (held weakly).
         views: per piece, positions among its inputs, in the order to make the views.
         pieces: per piece, the parameter names it completes.
+        buckets: per bucket of the plan, its parameter names.
         sizes: bytes of every parameter of the graph, by name.
         params: the parameters of the graph, by name (hooks record their ready order).
         caps: the caps the plan packed with.
@@ -131,6 +142,7 @@ class ReadyOrder:
         ddp: torch.nn.Module,
         views: Sequence[tuple[int, ...]],
         pieces: Sequence[frozenset[str]],
+        buckets: Sequence[frozenset[str]],
         sizes: dict[str, int],
         params: dict[str, torch.Tensor],
         caps: BucketCaps,
@@ -143,6 +155,7 @@ class ReadyOrder:
             _checks.setdefault(ddp, []).append((graph_name, check))
         self._ddp = weakref.ref(ddp)
         self._pieces = tuple(pieces)
+        self._buckets = tuple(b for b in buckets if b)
         self._sizes = sizes
         self._caps = caps
         self._check = check
@@ -197,6 +210,8 @@ class ReadyOrder:
         check.ddp_buckets = tuple(buckets)
         check.piece_of_bucket = tuple(tuple(sorted({piece_of[n] for n in b if n in piece_of})) for b in buckets)
         found = {frozenset(b) for b in buckets}
+        check.buckets = len(self._buckets)
+        check.buckets_matched = sum(b in found for b in self._buckets)
         held = [names for names in self._pieces if names]
         check.pieces = len(held)
         check.pieces_matched = sum(names in found for names in held)
@@ -207,14 +222,14 @@ class ReadyOrder:
 
 
 def warn_straddling(graph_name: str, check: BucketCheck) -> None:
-    """One warning when DDP's rebuilt buckets are not the pieces."""
-    if check.pieces_matched == check.pieces:
+    """One warning when DDP's rebuilt buckets are not the plan's."""
+    if check.as_planned:
         return
     spans = ", ".join(f"bucket {i} (pieces {', '.join(map(str, check.piece_of_bucket[i]))})" for i in check.straddling)
     warnings.warn(
-        f"ddp_split: {graph_name}: after DDP rebuilt its buckets, {check.pieces_matched} of {check.pieces} "
-        f"pieces are one DDP bucket each; straddling pieces: {spans or 'none (pieces hold several buckets)'}. "
-        "Such a bucket waits for its last piece's backward. Please report this with the model.",
+        f"ddp_split: {graph_name}: DDP rebuilt {len(check.ddp_buckets)} buckets, {check.buckets_matched} of the "
+        f"plan's {check.buckets} among them; buckets straddling pieces: {spans or 'none'}. A straddling bucket "
+        "waits for its last piece's backward. Please report this with the model.",
         stacklevel=2,
     )
 

@@ -72,7 +72,7 @@ class _TiedStack(torch.nn.Module):
 
 @pytest.mark.parametrize("ddp_kwargs", [{}, {"static_graph": True}, {"gradient_as_bucket_view": True}],
                          ids=["default", "static_graph", "bucket_view"])
-def test_default_caps_tied_and_shared_parameters_make_the_pieces_the_buckets(world1, ddp_kwargs) -> None:
+def test_default_caps_tied_and_shared_parameters_make_the_pieces_the_buckets(world1, ddp_kwargs, recwarn) -> None:
     import copy
 
     import ddp_split_backend
@@ -94,5 +94,27 @@ def test_default_caps_tied_and_shared_parameters_make_the_pieces_the_buckets(wor
     matched, pieces, spans = piece_bucket_agreement(ddp, [record.plan])
     assert pieces == 3 and matched == pieces and set(spans) == {1}, (matched, pieces, spans, record.plan.table())
     assert record.buckets.done and record.buckets.pieces_matched == record.buckets.pieces == 3
+    assert record.buckets.as_planned and not [w for w in recwarn if "DDP rebuilt" in str(w.message)]
     for actual, expected in zip(ddp.parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(actual.grad, expected.grad)
+
+
+def test_grouped_pieces_hold_whole_buckets_and_the_check_says_so(world1, recwarn) -> None:
+    """With ``min_piece_mb`` a piece holds several of DDP's buckets: no bucket straddles two
+    pieces, the check finds DDP's buckets as planned, and nothing warns."""
+    import ddp_split_backend
+    from ddp_split_backend import ddp_split
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    ddp = DDP(_TiedStack(), bucket_cap_mb=2)
+    model = torch.compile(ddp, backend="ddp_split", options={"inner": "aot_eager", "min_piece_mb": 8})
+    ids = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(1))
+    with ddp_split_backend.own_split():
+        for _ in range(3):
+            model(ids).backward()
+    (record,) = ddp_split.records
+    check = record.buckets
+    assert len(record.plan.pieces) < len(record.plan.buckets) and check.done, record.plan.table()
+    assert check.as_planned and not check.straddling, check
+    assert not [w for w in recwarn if "DDP rebuilt" in str(w.message)]
