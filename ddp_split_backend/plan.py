@@ -397,11 +397,13 @@ def _pack_like_ddp(order: Sequence[ParamUse], caps: BucketCaps) -> list[_Bucket]
     the cap). Returned in forward order (DDP's last bucket first)."""
     found: list[_Bucket] = []
     held: list[ParamUse] = []
+    nbytes = 0
     for use in order:
         held.append(use)
-        if sum(u.nbytes for u in held) >= (caps.bytes if found else caps.first_bytes):
+        nbytes += use.nbytes
+        if nbytes >= (caps.bytes if found else caps.first_bytes):
             found.append(_bucket_of(held))
-            held = []
+            held, nbytes = [], 0
     if held or not found:
         found.append(_bucket_of(held))
     return found[::-1]
