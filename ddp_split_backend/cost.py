@@ -59,13 +59,16 @@ class DeviceRates:
 
 
 DEVICE_RATES = {
-    "cpu": DeviceRates(flops_per_s=2.05e11, bytes_per_s=6.2e10, op_s=3.1e-6),
+    "cpu": DeviceRates(flops_per_s=8.8e10, bytes_per_s=6.0e9, op_s=3.1e-6),
     "cuda": DeviceRates(flops_per_s=50e12, bytes_per_s=2.0e12, op_s=10e-6),
 }
-"""Rates per device type. ``cpu``: this project's 2-core CPU, measured by
-``benchmarks/device_rates.py`` (2026-12-07, median of 5: a 256 x 256 matmul on one thread times
-the thread count, a 4 MiB clone, a 16-element add). ``cuda``: an H100's order of magnitude
-(FP32 matmuls, HBM bandwidth, one kernel launch from Python). Other devices use the CPU's."""
+"""Rates per device type, for ranking groupings. ``cpu``: this project's 2-core CPU, one
+thread (a plan must not depend on a process's thread count): a 256 x 256 matmul's FLOP rate, and
+a memory rate set so that the estimate of a measured ``Linear`` + GELU backward comes out right
+(2026-12-07: 394 us a layer at width 512, batch 2, and 4.8 ms at 1024 x 64, one thread; cache-
+resident micro-kernels, ``benchmarks/device_rates.py``, read 7-10 x faster and made backward look
+far cheaper than communication). ``cuda``: an H100's order of magnitude (FP32 matmuls, HBM
+bandwidth, one kernel launch from Python). Other devices use the CPU's."""
 
 
 def _value(arg: Any) -> Any:
