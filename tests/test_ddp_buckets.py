@@ -118,3 +118,22 @@ def test_grouped_pieces_hold_whole_buckets_and_the_check_says_so(world1, recwarn
     assert len(record.plan.pieces) < len(record.plan.buckets) and check.done, record.plan.table()
     assert check.as_planned and not check.straddling, check
     assert not [w for w in recwarn if "DDP rebuilt" in str(w.message)]
+
+
+def test_watch_overlap_names_the_piece_each_bucket_became(world1) -> None:
+    import ddp_split_backend
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    ddp = DDP(_TiedStack())
+    watch = ddp_split_backend.watch_overlap(ddp, warmup=2, steps=2)
+    model = torch.compile(ddp, backend="ddp_split", options={"inner": "aot_eager"})
+    ids = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(1))
+    with ddp_split_backend.own_split():
+        for _ in range(5):
+            model(ids).backward()
+    report = watch.report()
+    watch.remove()
+    # DDP's bucket 0 (ready first) is the last piece; three buckets, three pieces.
+    assert report.pieces == {0: "graph 0 piece 2", 1: "graph 0 piece 1", 2: "graph 0 piece 0"}, report.pieces
+    assert "graph 0 piece 2" in report.table()
