@@ -90,7 +90,9 @@ __all__ = [
     "StateSpan",
     "TOLERANCE",
     "WholeReason",
+    "ddp_packing",
     "plan_buckets",
+    "ready_order",
 ]
 
 
@@ -391,22 +393,30 @@ def ready_order(params: ParamTable) -> tuple[ParamUse, ...]:
     return tuple(sorted(params.params, key=lambda use: (-use.first_use, use.nbytes)))
 
 
-def _pack_like_ddp(order: Sequence[ParamUse], caps: BucketCaps) -> list[_Bucket]:
-    """DDP's buckets over gradients that become ready in ``order``, by the reducer's rule: a
-    bucket closes on the gradient that brings it to its cap (the first bucket's cap, then
-    the cap). Returned in forward order (DDP's last bucket first)."""
-    found: list[_Bucket] = []
-    held: list[ParamUse] = []
+def ddp_packing(order: Sequence[tuple[str, int]], caps: BucketCaps) -> list[tuple[str, ...]]:
+    """DDP's buckets (bucket 0 first) over gradients ready in ``order`` (name, bytes), by the
+    reducer's rule: a bucket closes on the gradient that brings it to its cap, the first
+    bucket's cap first."""
+    buckets: list[tuple[str, ...]] = []
+    held: list[str] = []
     nbytes = 0
-    for use in order:
-        held.append(use)
-        nbytes += use.nbytes
-        if nbytes >= (caps.bytes if found else caps.first_bytes):
-            found.append(_bucket_of(held))
+    for name, size in order:
+        held.append(name)
+        nbytes += size
+        if nbytes >= (caps.bytes if buckets else caps.first_bytes):
+            buckets.append(tuple(held))
             held, nbytes = [], 0
-    if held or not found:
-        found.append(_bucket_of(held))
-    return found[::-1]
+    if held:
+        buckets.append(tuple(held))
+    return buckets
+
+
+def _pack_like_ddp(order: Sequence[ParamUse], caps: BucketCaps) -> list[_Bucket]:
+    """:func:`ddp_packing` of the graph's parameters, in forward order (DDP's last bucket
+    first); one empty bucket for a graph without parameters."""
+    by_name = {use.name: use for use in order}
+    packed = ddp_packing([(use.name, use.nbytes) for use in order], caps) or [()]
+    return [_bucket_of([by_name[name] for name in names]) for names in reversed(packed)]
 
 
 def _bucket_of(held: Sequence[ParamUse]) -> _Bucket:

@@ -44,8 +44,9 @@ import torch
 
 from . import _torch
 from .config import BucketCaps
+from .plan import ddp_packing
 
-__all__ = ["BucketCheck", "ReadyOrder", "ddp_packing", "pieces_of_buckets"]
+__all__ = ["BucketCheck", "ReadyOrder", "pieces_of_buckets"]
 
 
 @dataclass(slots=True)
@@ -78,23 +79,6 @@ class BucketCheck:
     def as_planned(self) -> bool:
         """DDP's buckets are the plan's, and none straddles pieces."""
         return self.buckets_matched == self.buckets and not self.straddling
-
-
-def ddp_packing(order: Sequence[tuple[str, int]], caps: BucketCaps) -> list[tuple[str, ...]]:
-    """DDP's buckets (bucket 0 first) over gradients ready in ``order`` (name, bytes): a
-    bucket closes on the gradient that brings it to its cap, the first bucket's cap first."""
-    buckets: list[tuple[str, ...]] = []
-    held: list[str] = []
-    nbytes = 0
-    for name, size in order:
-        held.append(name)
-        nbytes += size
-        if nbytes >= (caps.bytes if buckets else caps.first_bytes):
-            buckets.append(tuple(held))
-            held, nbytes = [], 0
-    if held:
-        buckets.append(tuple(held))
-    return buckets
 
 
 @dataclass(slots=True)
