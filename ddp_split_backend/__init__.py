@@ -13,7 +13,16 @@ from .ddp_mode import own_split
 from .explain import ExplainResult, explain
 from .extras import MissingExtra
 from .overlap import BucketTiming, OverlapReport, OverlapWatch, StepOverlap, watch_overlap
-from .plan import AdjustReason, BoundaryAdjustment, BucketPlan, PieceSizing, SplitPlan, WholeReason
+from .plan import (
+    AdjustReason,
+    BoundaryAdjustment,
+    BucketPlan,
+    PieceSizing,
+    RegionCut,
+    RegionOutcome,
+    SplitPlan,
+    WholeReason,
+)
 from .teardown import close_ddp
 
 __all__ = [
@@ -32,6 +41,8 @@ __all__ = [
     "OverlapWatch",
     "PieceRecord",
     "PieceSizing",
+    "RegionCut",
+    "RegionOutcome",
     "SplitConfig",
     "SplitConfigError",
     "SplitPlan",

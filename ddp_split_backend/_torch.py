@@ -51,6 +51,7 @@ __all__ = [  # every name the package uses (tests/test_compile_stage.py checks t
     "c_enter_dual_level",
     "c_exit_dual_level",
     "check_release",
+    "checkpoint_region_op",
     "compiled_original",
     "ddp_comm_hooks",
     "ddp_first_bucket_bytes",
@@ -90,8 +91,8 @@ __all__ = [  # every name the package uses (tests/test_compile_stage.py checks t
     "list_backends",
     "lookup_backend",
     "nesting_pairs",
-    "only_float_symbols",
     "on_lazy_backward_compile",
+    "only_float_symbols",
     "piece_tracing_context",
     "pytree",
     "queue_after_backward",
@@ -320,6 +321,10 @@ set_dispatch_key_included = _resolve("torch._C._dispatch_tls_set_dispatch_key_in
 set_dispatch_key_excluded = _resolve("torch._C._dispatch_tls_set_dispatch_key_excluded", "restores dispatch keys")
 
 # --- Dynamo, AOTAutograd and fake tensors
+checkpoint_region_op = _resolve(
+    "torch._higher_order_ops.wrap.tag_activation_checkpoint",
+    "the node a non-reentrant activation checkpoint becomes; its body is its first argument",
+)
 pytree = _resolve("torch.utils._pytree", "flattens graph outputs into pieces' outputs and back")
 ShortenTraceback = _resolve(
     "torch._dynamo.exc.ShortenTraceback",

@@ -24,15 +24,16 @@ import torch.fx as fx
 
 from . import _torch
 from .compile import CompiledPieces, InnerCompile, Outcome, PieceRecord, compile_pieces, compile_whole
-from .config import BACKEND_NAME, SplitConfig, SplitConfigError
+from .config import BACKEND_NAME, BucketCaps, SplitConfig, SplitConfigError
 from .cost import device_rates, fixed_cost_s, node_backward_s
 from .diagnostics import log_backward_compiled, log_buckets_checked, log_compiled, show_summaries
 from .first_backward import BackwardCompile, forget_all, watch
 from .ready_order import BucketCheck, ReadyOrder
 from .inner import inner_compile
 from .layout import GraphLayout, layout_graph
-from .params import ParamTable, find_params
+from .params import ParamTable, find_params, parameter_placeholders
 from .plan import BucketPlan, CostInputs, GraphShare, SplitPlan, WholeReason, plan_buckets
+from .regions import RegionSplit, cut_regions
 from .runtime import GuardedCallable, StitchedCallable
 from .split import SplitGraph, split_graph
 from .state import Ambient, classify
@@ -131,6 +132,8 @@ class _Planned:
     layout: GraphLayout
     params: ParamTable
     ddp_module: torch.nn.Module | None
+    gm: fx.GraphModule
+    """The graph planned: the Dynamo graph, with its checkpoint regions cut where they were."""
 
 
 def _plan_graph(
@@ -145,16 +148,70 @@ def _plan_graph(
     ``min_piece_mb="auto"``."""
     ddp_module = ddp_module if ddp_module is not None else _torch.active_ddp_module()
     names, ignored = _ddp_names(ddp_module)
-    layout = layout_graph(gm, Ambient.capture())
-    params = find_params(gm, layout.nodes, example_inputs, names=names, ddp_ignored=ignored)
-    costs = _cost_inputs(gm, layout, example_inputs, config) if config.sized_by_cost else None
+    caps = config.caps(ddp_module)
+    source = _PlanSource(example_inputs, config, caps, ddp_module, names, ignored, graph_name, Ambient.capture())
+    first = _plan_once(gm, source)
+    regions = _cut_regions(first, source, keep=None)
+    planned = first
+    if regions.part_starts:  # Note [Cutting checkpoint regions]: parts in one piece are joined again
+        planned = _plan_once(regions.gm, source)
+        keep = _parts_cut_apart(planned, regions)
+        if keep is not None:
+            regions = _cut_regions(first, source, keep=keep)
+            planned = _plan_once(regions.gm, source)
+    plan = dataclasses.replace(planned.plan, regions=regions.records)
+    if plan.whole is None:  # a graph without backward sends nothing, whatever it holds
+        plan = dataclasses.replace(plan, share=_share(planned.params, ddp_module))
+    return dataclasses.replace(planned, plan=plan)
+
+
+@dataclass(frozen=True, slots=True)
+class _PlanSource:
+    """Everything but the graph that a plan is made from."""
+
+    example_inputs: Sequence[Any]
+    config: SplitConfig
+    caps: BucketCaps
+    ddp_module: torch.nn.Module | None
+    names: dict[int, str]
+    ignored: frozenset[str]
+    graph_name: str
+    ambient: Ambient
+
+
+def _plan_once(gm: fx.GraphModule, source: _PlanSource) -> _Planned:
+    config = source.config
+    layout = layout_graph(gm, source.ambient)
+    params = find_params(gm, layout.nodes, source.example_inputs, names=source.names, ddp_ignored=source.ignored)
+    costs = _cost_inputs(gm, layout, source.example_inputs, config) if config.sized_by_cost else None
     plan = plan_buckets(
-        layout, params, config.caps(ddp_module), graph_name=graph_name, min_piece_bytes=config.min_piece_bytes,
+        layout, params, source.caps, graph_name=source.graph_name, min_piece_bytes=config.min_piece_bytes,
         costs=costs,
     )
-    if plan.whole is None:  # a graph without backward sends nothing, whatever it holds
-        plan = dataclasses.replace(plan, share=_share(params, ddp_module))
-    return _Planned(plan, layout, params, ddp_module)
+    return _Planned(plan, layout, params, source.ddp_module, gm)
+
+
+def _cut_regions(planned: _Planned, source: _PlanSource, keep: Mapping[str, frozenset[str]] | None) -> RegionSplit:
+    if planned.plan.whole is not None:
+        return RegionSplit(planned.gm, (), {})
+    return cut_regions(
+        planned.gm, planned.layout, planned.params, parameter_placeholders(planned.gm, source.example_inputs),
+        source.caps, policy=source.config.split_checkpoints, budget=source.config.checkpoint_budget, keep=keep,
+    )
+
+
+def _parts_cut_apart(planned: _Planned, regions: RegionSplit) -> dict[str, frozenset[str]] | None:
+    """Per cut region, the body nodes starting a part that the plan put in a piece of its own
+    (the parts' first body nodes, by the regions' records); ``None`` when every part is."""
+    piece_starts = {planned.layout.nodes[c].name for c in planned.plan.cuts}
+    keep: dict[str, frozenset[str]] = {}
+    joined = False
+    for record in regions.records:
+        starts = regions.part_starts.get(record.region, ())
+        kept = frozenset(body for body, node in zip(record.before, starts) if node in piece_starts)
+        joined |= len(kept) < len(starts)
+        keep[record.region] = kept
+    return keep if joined else None
 
 
 def _ready_order(planned: _Planned, split: SplitGraph, check: BucketCheck) -> ReadyOrder | None:
@@ -288,7 +345,7 @@ class DDPSplitBackend:
         if len(plan.pieces) == 1:
             return self._finish(plan, None, gm, compile_whole(gm, example_inputs, inner, times), times)
         with times.measure("split"):
-            split = split_graph(gm, planned.layout, plan.cuts)
+            split = split_graph(planned.gm, planned.layout, plan.cuts)
         compiled = compile_pieces(split, example_inputs, inner, times, reuse=config.reuse)
         return self._finish(plan, split, gm, compiled, times, planned)
 

@@ -3,7 +3,7 @@
 Example::
 
     >>> SplitConfig.from_options({"inner": "aot_eager", "bucket_cap_mb": 8})
-    SplitConfig(inner='aot_eager', bucket_cap_mb=8, first_bucket_cap_mb=None, min_piece_mb=None, link_gbps=None, reuse_identical_pieces=None, mode=None, inner_options=None, on_inner_failure='eager')
+    SplitConfig(inner='aot_eager', bucket_cap_mb=8, first_bucket_cap_mb=None, min_piece_mb=None, link_gbps=None, reuse_identical_pieces=None, mode=None, inner_options=None, on_inner_failure='eager', split_checkpoints='budget', checkpoint_budget=0.5)
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ BACKEND_NAME = "ddp_split"
 MIB = 1024 * 1024
 DDP_DEFAULT_BUCKET_CAP_MB = 25.0
 INNER_FAILURE_CHOICES = ("eager", "raise")
+CHECKPOINT_CHOICES = ("budget", "always", "never")
 
 
 def _ddp_first_bucket_bytes() -> int:
@@ -130,6 +131,17 @@ class SplitConfig:
     warning; the other pieces stay compiled), ``"raise"`` lets the inner backend's exception
     propagate, with the piece named in a note and the global state restored."""
 
+    split_checkpoints: str = "budget"
+    """What to do with an activation-checkpoint region (non-reentrant
+    ``torch.utils.checkpoint``) that DDP's buckets cross, whose gradients otherwise all wait
+    for its whole recompute and backward: ``"budget"`` (the default) cuts it at the bucket
+    boundaries into consecutive checkpoint regions as far as the activations the cuts keep
+    for backward fit ``checkpoint_budget``; ``"always"`` cuts at every boundary; ``"never"``
+    keeps every region whole. Note [Cutting checkpoint regions] in regions.py."""
+    checkpoint_budget: float = 0.5
+    """With ``split_checkpoints="budget"``: the share of the memory checkpointing a region
+    saves that its cuts may give back (0: none, no cut; 1: all of it)."""
+
     def __post_init__(self) -> None:
         _check_inner(self.inner)
         _check_size("bucket_cap_mb", self.bucket_cap_mb)
@@ -144,6 +156,20 @@ class SplitConfig:
                 f"ddp_split option 'on_inner_failure' must be one of "
                 f"{', '.join(repr(c) for c in INNER_FAILURE_CHOICES)}, got {self.on_inner_failure!r}. "
                 "Use 'eager' to run a failing piece eagerly or 'raise' to see the inner backend's error."
+            )
+        if self.split_checkpoints not in CHECKPOINT_CHOICES:
+            raise SplitConfigError(
+                f"ddp_split option 'split_checkpoints' must be one of "
+                f"{', '.join(repr(c) for c in CHECKPOINT_CHOICES)}, got {self.split_checkpoints!r}. "
+                "Use 'budget' (the default) to cut checkpoint regions within checkpoint_budget, "
+                "'always' to cut at every bucket boundary, 'never' to keep them whole."
+            )
+        budget = self.checkpoint_budget
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 <= budget <= 1:
+            raise SplitConfigError(
+                f"ddp_split option 'checkpoint_budget' must be a number from 0 to 1 (the share of the "
+                f"memory checkpointing saves that cuts may give back), got {budget!r}. Use e.g. "
+                "checkpoint_budget=0.5, or split_checkpoints='always' for no budget."
             )
         _check_inductor_settings(self.inner, self.mode, self.inner_options)
         if self.inner_options is not None:

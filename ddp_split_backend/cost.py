@@ -36,7 +36,9 @@ import torch.nn.functional as F
 
 from . import _torch
 
-__all__ = ["DEVICE_RATES", "FIXED_COST_S", "DeviceRates", "device_rates", "fixed_cost_s", "node_backward_s"]
+__all__ = [
+    "DEVICE_RATES", "FIXED_COST_S", "DeviceRates", "device_rates", "fixed_cost_s", "node_backward_s", "value_bytes",
+]
 
 FIXED_COST_S = {"inductor": 0.18e-3, "aot_eager": 0.31e-3}
 """Per-step cost of one piece, measured on the project CPU (RESULTS.md 14.1, 2026-12-04:
@@ -143,3 +145,9 @@ def fixed_cost_s(inner: object) -> float:
     """One piece's fixed cost per step with this inner backend."""
     name = inner if isinstance(inner, str) else None
     return FIXED_COST_S.get(name, max(FIXED_COST_S.values()))
+
+
+def value_bytes(node: fx.Node) -> int:
+    """Estimated bytes of the tensors ``node`` makes, views of other tensors not counted
+    (they hold no memory of their own); symbolic sizes by their hint."""
+    return int(sum(_numel(t) * t.element_size() for t in _tensors(_value(node)) if not _torch.is_view(t)))

@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from . import _torch
 
-__all__ = ["ParamUse", "ParamTable", "find_params"]
+__all__ = ["ParamUse", "ParamTable", "body_first_uses", "find_params", "is_checkpoint_region", "parameter_placeholders"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +33,15 @@ class ParamUse:
     slot: int | None = None
     """The graph placeholder (its index) it arrives through; ``None`` for a parameter the
     graph reaches as an attribute."""
+    within: tuple[int, ...] = ()
+    """When ``first_use`` is an activation-checkpoint region: the index of the first node of
+    its body that uses the parameter (the region's backward completes it there), followed by
+    the same inside a region nested there; else empty."""
+
+    @property
+    def position(self) -> tuple[int, ...]:
+        """Where the gradient completes, in forward order: the node, then the places in its bodies."""
+        return (self.first_use, *self.within)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +112,51 @@ def _node_inputs(node: fx.Node) -> list[fx.Node]:
     return list(node.all_input_nodes)
 
 
+def is_checkpoint_region(node: fx.Node) -> bool:
+    """Whether ``node`` is a non-reentrant activation checkpoint (``tag_activation_checkpoint``
+    with its body as the first argument)."""
+    return (
+        node.op == "call_function"
+        and node.target is _torch.checkpoint_region_op
+        and bool(node.args)
+        and isinstance(node.args[0], fx.Node)
+        and node.args[0].op == "get_attr"
+    )
+
+
+def body_compute_nodes(body: fx.GraphModule) -> tuple[fx.Node, ...]:
+    return tuple(n for n in body.graph.nodes if n.op not in ("placeholder", "get_attr", "output"))
+
+
+def body_first_uses(gm: fx.GraphModule, region: fx.Node) -> dict[fx.Node, tuple[int, ...]]:
+    """For a checkpoint region: each of its arguments (graph nodes) and where its body first
+    reads it: the index among :func:`body_compute_nodes`, then, when that node is a nested
+    region, the place in the nested body."""
+    body = attrgetter(str(region.args[0].target))(gm)  # type: ignore[union-attr]
+    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+    first: dict[fx.Node, tuple[int, ...]] = {}
+    for index, node in enumerate(body_compute_nodes(body)):
+        nested = body_first_uses(body, node) if is_checkpoint_region(node) else {}
+        for arg in node.all_input_nodes:
+            if arg.op == "placeholder" and arg not in first:
+                first[arg] = (index, *nested.get(arg, ()))
+    found: dict[fx.Node, tuple[int, ...]] = {}
+    for arg, placeholder in zip(region.args[1:], placeholders):
+        if isinstance(arg, fx.Node) and placeholder in first:
+            found[arg] = min(found.get(arg, first[placeholder]), first[placeholder])
+    return found
+
+
+def parameter_placeholders(gm: fx.GraphModule, example_inputs: Sequence[object]) -> frozenset[fx.Node]:
+    """The placeholders of ``gm`` through which parameters arrive (trainable or not)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return frozenset(
+        node
+        for node, example in zip(placeholders, example_inputs)
+        if isinstance(_placeholder_value(node, example), torch.nn.Parameter)
+    )
+
+
 def find_params(
     gm: fx.GraphModule,
     nodes: Sequence[fx.Node],
@@ -132,23 +186,30 @@ def find_params(
         if isinstance(value, torch.nn.Parameter):
             values[node] = (_placeholder_name(node, value, names), value, i)
 
-    first_use: dict[int, tuple[int, str, torch.Tensor, int | None]] = {}
+    first_use: dict[int, tuple[int, str, torch.Tensor, int | None, tuple[int, ...]]] = {}
     ignored: dict[int, str] = {}
 
-    def note(index: int, name: str, param: torch.Tensor, slot: int | None = None) -> None:
+    def note(
+        index: int, name: str, param: torch.Tensor, slot: int | None = None, within: tuple[int, ...] = ()
+    ) -> None:
         key = id(param)
-        if key in first_use or key in ignored or not param.requires_grad:
+        if key in ignored or not param.requires_grad:
+            return
+        if key in first_use:
+            if first_use[key][0] == index and within < first_use[key][4]:  # the same region again
+                first_use[key] = (*first_use[key][:4], within)
             return
         name = names.get(key, name)
         if _is_ignored(param, name, ddp_ignored):
             ignored[key] = name
             return
-        first_use[key] = (index, name, param, slot)
+        first_use[key] = (index, name, param, slot, within)
 
     for index, node in enumerate(nodes):
+        within = body_first_uses(gm, node) if is_checkpoint_region(node) else {}
         for arg in _node_inputs(node):
             if arg in values:
-                note(index, *values[arg])
+                note(index, *values[arg], within=within.get(arg, ()))
             elif arg.op == "get_attr":
                 attr = attrgetter(str(arg.target))(gm)
                 if isinstance(attr, torch.nn.Parameter):
@@ -162,7 +223,7 @@ def find_params(
                 note(index, name, param)
 
     uses = tuple(
-        ParamUse(name=name, nbytes=param.numel() * param.element_size(), first_use=index, slot=slot)
-        for index, name, param, slot in first_use.values()
+        ParamUse(name=name, nbytes=param.numel() * param.element_size(), first_use=index, slot=slot, within=within)
+        for index, name, param, slot, within in first_use.values()
     )
     return ParamTable(params=uses, ignored=tuple(sorted(ignored.values())))

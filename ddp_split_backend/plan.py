@@ -86,6 +86,8 @@ __all__ = [
     "GraphShare",
     "PiecePlan",
     "PieceSizing",
+    "RegionCut",
+    "RegionOutcome",
     "SplitPlan",
     "StateSpan",
     "TOLERANCE",
@@ -119,6 +121,62 @@ class BoundaryAdjustment:
     def describe(self) -> str:
         where = f"moved before {self.placed_before}" if self.placed_before else "dropped"
         return f"cut before {self.wanted_before} {where}: {self.reason.value}"
+
+
+class RegionOutcome(enum.Enum):
+    """What was done with an activation-checkpoint region that DDP's buckets cross (Note
+    [Cutting checkpoint regions] in regions.py)."""
+
+    CUT = "cut at every bucket boundary inside it"
+    PARTLY_CUT = "cut where the activations the cuts keep fit checkpoint_budget; the other boundaries left out"
+    WHOLE_BUDGET = "kept whole: no cut keeps few enough activations for checkpoint_budget"
+    WHOLE_NEVER = "kept whole: split_checkpoints='never'"
+    WHOLE_NO_PLACE = "kept whole: no boundary has a legal place inside it"
+    WHOLE_GROUPED = "kept whole: the graph's plan runs all its parts in one piece (grouped buckets, or no cut there)"
+    WHOLE_UNSPLITTABLE = "kept whole"
+
+
+@dataclass(frozen=True, slots=True)
+class RegionCut:
+    """An activation-checkpoint region that DDP's buckets cross, and the cuts made inside it."""
+
+    region: str
+    """Its node in the Dynamo graph (``tag_activation_checkpoint``)."""
+    body: str
+    """Its body's attribute (``wrap_body_0``)."""
+    boundaries: int
+    """Bucket boundaries falling inside it."""
+    before: tuple[str, ...]
+    """Body nodes a cut was made in front of: it runs as ``len(before) + 1`` regions."""
+    extra_bytes: int
+    """Activations the cuts keep for backward beyond what the whole region keeps (estimate)."""
+    allowed_bytes: int | None
+    """``checkpoint_budget`` in bytes for this region; ``None``: no budget (``"always"``)."""
+    kept_whole_bytes: int
+    """What the whole region keeps for backward: its inputs other than parameters."""
+    unrolled_bytes: int
+    """What its body makes (views not counted): about what it would keep without checkpointing."""
+    outcome: RegionOutcome
+    adjustments: tuple[BoundaryAdjustment, ...] = ()
+    """Boundaries moved earlier inside the body, or dropped, and why."""
+    why_whole: str | None = None
+    """Set when the region could not be rewritten at all."""
+
+    def describe(self) -> str:
+        head = f"checkpoint region {self.region} ({self.body}), {self.boundaries} bucket {'boundary' if self.boundaries == 1 else 'boundaries'} inside"
+        if self.before:
+            cut = f"cut into {len(self.before) + 1} regions (before {', '.join(self.before)})"
+            budget = "no budget" if self.allowed_bytes is None else f"budget {_mib(self.allowed_bytes)}"
+            said = f"{head}: {cut}, keeping {_mib(self.extra_bytes)} more for backward ({budget})"
+            if self.outcome is RegionOutcome.PARTLY_CUT:
+                said += f"; {self.boundaries - len(self.before)} boundaries left out for the budget or the graph's cuts"
+        else:
+            said = f"{head}: {self.outcome.value}" + (f" ({self.why_whole})" if self.why_whole else "")
+        if self.allowed_bytes is not None:
+            said += (f"; checkpointing it saves {_mib(max(self.unrolled_bytes - self.kept_whole_bytes, 0))} "
+                     f"(keeps {_mib(self.kept_whole_bytes)} of about {_mib(self.unrolled_bytes)})")
+        moved = "; ".join(a.describe() for a in self.adjustments)
+        return f"{said}; {moved}" if moved else said
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,6 +318,9 @@ class SplitPlan:
     """Set when the buckets were kept in one piece whatever the options said, and why."""
     share: GraphShare | None = None
     """Set when the graph holds only part of its DDP module's gradients."""
+    regions: tuple[RegionCut, ...] = ()
+    """Activation-checkpoint regions that DDP's buckets cross, and what was done with each
+    (the plan's nodes are those of the graph with the cut regions rewritten)."""
 
     @property
     def pieces(self) -> tuple[PiecePlan, ...]:
@@ -300,10 +361,21 @@ class SplitPlan:
         if buckets <= 1:
             return said
         if self.min_piece_bytes is not None:
-            return f"{said} (pieces of at least {self.min_piece_bytes / 2**20:.3g} MiB, min_piece_mb)"
+            return f"{said} (pieces of at least {self.min_piece_bytes / 2**20:.3g} MiB, min_piece_mb)" + self._regions_summary()
         if self.sizing is not None:
-            return f"{said} (grouped by predicted step time, min_piece_mb='auto')"
-        return f"{said} (one per bucket)"
+            said = f"{said} (grouped by predicted step time, min_piece_mb='auto')"
+        else:
+            said = f"{said} (one per bucket)"
+        return said + self._regions_summary()
+
+    def _regions_summary(self) -> str:
+        if not self.regions:
+            return ""
+        cut = [r for r in self.regions if r.before]
+        parts = sum(len(r.before) + 1 for r in cut)
+        said = f"; {_count(len(cut), 'checkpoint region')} cut into {parts}" if cut else ""
+        whole = len(self.regions) - len(cut)
+        return said + (f"; {_count(whole, 'checkpoint region')} crossed by buckets kept whole" if whole else "")
 
     def table(self, width: int = TABLE_WIDTH) -> str:
         """The plan as a text table (what ``TORCH_LOGS=ddp_split`` prints), no line wider
@@ -332,6 +404,7 @@ class SplitPlan:
         if self.sizing is not None:
             notes.append(self.sizing.describe())
         notes.extend(f"piece {b.piece}: {a.describe()}" for b in self.buckets for a in b.adjustments)
+        notes.extend(r.describe() for r in self.regions)
         if self.ignored_params:
             notes.append(f"ignored by DDP: {_names(self.ignored_params, width - 17)}")
         if self.whole is not None:
@@ -389,8 +462,9 @@ class _Bucket:
 def ready_order(params: ParamTable) -> tuple[ParamUse, ...]:
     """The order ddp_split makes the graph's gradients ready in (Note [Pieces are DDP's
     buckets]): the node completing them, last first; within a node, smallest first, so that
-    a bucket DDP fills up inside a node closes on that node's last (largest) parameter."""
-    return tuple(sorted(params.params, key=lambda use: (-use.first_use, use.nbytes)))
+    a bucket DDP fills up inside a node closes on that node's last (largest) parameter. Inside
+    an activation-checkpoint region, by the body node completing them, last first."""
+    return tuple(sorted(params.params, key=lambda use: (tuple(-p for p in use.position), use.nbytes)))
 
 
 def ddp_packing(order: Sequence[tuple[str, int]], caps: BucketCaps) -> list[tuple[str, ...]]:

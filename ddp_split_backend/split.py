@@ -139,13 +139,18 @@ def _copy_placeholder(graph: fx.Graph, source: fx.Node) -> fx.Node:
     return placeholder
 
 
-def split_graph(gm: fx.GraphModule, layout: GraphLayout, cuts: Sequence[int]) -> SplitGraph:
+def split_graph(
+    gm: fx.GraphModule, layout: GraphLayout, cuts: Sequence[int], *, called_with_ambient_grad: bool = False
+) -> SplitGraph:
     """Build the pieces of ``gm`` for cuts in front of ``layout.nodes[c]`` for ``c`` in ``cuts``.
 
     Args:
         gm: the graph to split; it is not modified.
         layout: ``layout_graph(gm, ...)``.
         cuts: strictly increasing positions in ``1 .. len(layout.nodes) - 1``.
+        called_with_ambient_grad: the pieces will be called in the graph's ambient grad mode
+            (the body of a checkpoint region, cut into regions), not each in the grad mode it
+            needs (:attr:`Piece.grad`, what the runtime sets for a graph's pieces).
 
     Returns:
         A :class:`SplitGraph` whose pieces, run in order, compute what ``gm`` computes.
@@ -180,7 +185,9 @@ def split_graph(gm: fx.GraphModule, layout: GraphLayout, cuts: Sequence[int]) ->
         inputs.sort(key=_reducer_order_key)  # stable: other inputs keep first-use order
         for arg in inputs:
             env[arg] = _copy_placeholder(graph, arg)
-        call_grad = any(state.grad for state in layout.states[start : stop + 1])
+        call_grad = (
+            layout.ambient.grad if called_with_ambient_grad else any(s.grad for s in layout.states[start : stop + 1])
+        )
         _emit_entry(graph, layout.states[start], layout.ambient, call_grad, env)
         attrs: dict[str, Any] = {}
         for node in nodes[start:stop]:
