@@ -91,7 +91,7 @@ def pending_piece_backwards(loss: torch.Tensor) -> Callable[[], int]:
     return lambda: len(nodes) - len(done)
 
 
-def _launch_recorder(state: dict[str, Any], bucket: Any) -> torch.futures.Future[torch.Tensor]:
+def _launch_recorder(state, bucket):  # no annotations: DDP checks them, and they are strings here
     state["launches"].append(state["pending"]())
     return default_hooks.allreduce_hook(None, bucket)
 

@@ -237,8 +237,9 @@ def test_two_ranks_train_like_eager_ddp(trained, case: str) -> None:
         assert training, (rank, r["regions"])
         outcome = "WHOLE_NEVER" if case == "six_never" else "CUT"
         assert all(o == outcome for i in training for o, _ in r["regions"][i]), r["regions"]
-        checked = [(matched, pieces) for done, matched, pieces in r["matched"] if done]
-        assert checked and all(m == p for m, p in checked), r["matched"]
+        if case != "six_never":  # whole, the region's piece holds six buckets
+            checked = [(matched, pieces) for done, matched, pieces in r["matched"] if done]
+            assert checked and all(m == p for m, p in checked), r["matched"]
 
 
 @pytest.mark.multiprocess
