@@ -52,8 +52,8 @@ shorter prefix, so a dynamic programme over (buckets consumed, pieces used) find
 grouping for every number of pieces. It costs about buckets^3 / 6 steps, so with more
 buckets (a graph of thousands) the candidates are balanced groupings instead: for piece
 counts growing geometrically, the buckets cut into groups of equal backward time, and of
-equal communication, each evaluated in one pass (O(buckets x log(buckets)) in all;
-``benchmarks/plan_scaling.py``). Of the candidates, the fewest pieces predicted within
+equal communication, and groups of 1, 2, 4, ... buckets each, each evaluated in one pass
+(O(buckets x log(buckets)) in all; ``benchmarks/plan_scaling.py``). Of the candidates, the fewest pieces predicted within
 :data:`TOLERANCE` of the best is chosen: the prediction is not that exact, and every piece
 adds compile time and a cost per step the model may underrate.
 Communication per bucket is its bytes over ``link_gbps`` (``inf``: an instant link), which
@@ -639,9 +639,10 @@ def _group_by_cost(
     return piece_of, sizing
 
 
-TOLERANCE = 0.02
+TOLERANCE = 0.005
 """Fewer pieces are chosen over more when predicted at most this much slower (a share of
-the best predicted step): less than the step-to-step noise of the measurements behind it."""
+the best predicted step). Kept small: where communication dominates, the step is long and 2 %
+of it (the value until 2026-12-07) let through groupings measurably slower than the best."""
 BACKWARD_SHARE = 0.6
 """Share of a piece's fixed cost paid in backward (AOTAutograd's backward wrapper is the
 larger part: RESULTS.md, "Where the split's cost goes")."""
@@ -707,8 +708,8 @@ def _exact_groupings(backward: Sequence[float], comm: Sequence[float], fixed: fl
 
 def _balanced_groupings(backward: Sequence[float], comm: Sequence[float]) -> list[list[int]]:
     """For piece counts 1, 2, ... growing by :data:`_LADDER`, the buckets cut into that many
-    groups of about equal backward time, and of about equal communication: O(buckets) each,
-    O(buckets x log(buckets)) in all."""
+    groups of about equal backward time, and of about equal communication; and groups of 1,
+    2, 4, ... buckets each: O(buckets) each, O(buckets x log(buckets)) in all."""
     n = len(backward)
     counts, m = [], 1
     while m < n:
@@ -716,7 +717,21 @@ def _balanced_groupings(backward: Sequence[float], comm: Sequence[float]) -> lis
         m = max(m + 1, round(m * _LADDER))
     counts.append(n)
     sums = (_prefix(backward), _prefix(comm))
-    return [_balanced(prefix, pieces) for pieces in counts for prefix in sums]
+    balanced = [_balanced(prefix, pieces) for pieces in counts for prefix in sums]
+    return balanced + [_uniform(n, size) for size in _powers_of_two(n)]
+
+
+def _powers_of_two(n: int) -> list[int]:
+    sizes, size = [], 1
+    while size < n:
+        sizes.append(size)
+        size *= 2
+    return sizes
+
+
+def _uniform(n: int, size: int) -> list[int]:
+    """``size`` buckets a piece, the remainder in the last piece (backward order)."""
+    return [size] * (n // size) + ([n % size] if n % size else [])
 
 
 def _balanced(prefix: Sequence[float], pieces: int) -> list[int]:

@@ -160,7 +160,6 @@ CASES: dict[str, dict[str, Any]] = {
                       options={"inner": "aot_eager", "split_checkpoints": "never"}),
     "six_inductor": dict(build=lambda: SixLayers(dropout=0.1), data=_six, loss=_call, cap=1, options={}),
     "mixed_inductor": dict(build=Mixed, data=_mixed, loss=_call, cap=0.06, options={}),
-    "mixed_aot_eager": dict(build=Mixed, data=_mixed, loss=_call, cap=0.06, options={"inner": "aot_eager"}),
     "gpt2_checkpointing": dict(build=_gpt2_checkpointed, data=_tokens, loss=_hf_loss, cap=0.015,
                                options={"inner": "aot_eager"}),
 }

@@ -34,6 +34,21 @@ class TanhStack(nn.Module):
         return x
 
 
+class CheckpointedTanhStack(TanhStack):
+    """:class:`TanhStack` whose middle layers (all but the first and the last) run inside one
+    non-reentrant activation checkpoint."""
+
+    def _middle(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers[1:-1]:
+            x = torch.tanh(layer(x))
+        return x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.layers[0](x))
+        x = torch.utils.checkpoint.checkpoint(self._middle, x, use_reentrant=False)
+        return torch.tanh(self.layers[-1](x))
+
+
 class TiedLM(nn.Module):
     """Embedding tied to the output head: one parameter used first and last."""
 

@@ -13,7 +13,10 @@ The setups are the ones in which a plan learnt from the first steps went wrong:
 ``static_graph=True`` (DDP learns its bucket order at its second step), two DDP models of one
 class (one Dynamo graph), a sweep's second trial (the first model freed, no
 ``torch._dynamo.reset()``), regional compilation (one graph called per block), and a first
-call that raises.
+call that raises. Since activation-checkpoint regions are cut by default (Note [Cutting
+checkpoint regions]), the static-graph, sweep and failed-first-call setups train a model whose
+middle layers are one checkpoint region, and so does ``checkpointed``, which also takes an
+evaluation step under ``no_grad`` and a ``no_sync`` accumulation step in the middle.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ddp_split_backend
 from ddp_split_backend import ddp_split
 
-from .models import TanhStack
+from .models import CheckpointedTanhStack, TanhStack
 from .multiproc import run_ranks
 
 pytestmark = pytest.mark.multiprocess
@@ -73,9 +76,9 @@ class _Watched:
 class _Pair:
     """Eager DDP and the same weights compiled with the defaults, trained side by side."""
 
-    def __init__(self, seed: int, ddp_kwargs: dict, regional: bool = False) -> None:
+    def __init__(self, seed: int, ddp_kwargs: dict, regional: bool = False, checkpointed: bool = False) -> None:
         torch.manual_seed(seed)
-        base = TanhStack(WIDTH, DEPTH)
+        base = (CheckpointedTanhStack if checkpointed else TanhStack)(WIDTH, DEPTH)
         eager = DDP(copy.deepcopy(base), bucket_cap_mb=CAP_MB, **ddp_kwargs)
         split = DDP(copy.deepcopy(base), bucket_cap_mb=CAP_MB, **ddp_kwargs)
         if regional:  # each block compiled on its own (one graph shared by the blocks)
@@ -96,11 +99,33 @@ class _Pair:
                 torch.testing.assert_close(a.grad, e.grad)
 
 
+CHECKPOINTED = ("checkpointed", "static_graph", "sweep", "failed_first_call")
+"""The setups whose model holds a checkpoint region."""
+
+
+def _eval_and_no_sync(pair: _Pair, rank: int) -> None:
+    """An evaluation forward under ``no_grad`` and an accumulation step whose first
+    micro-batch runs under ``no_sync``, both ways, compared."""
+    gen = torch.Generator().manual_seed(500 + rank)
+    x = torch.randn(BATCH, WIDTH, generator=gen)
+    with torch.no_grad():
+        torch.testing.assert_close(pair.split.model(x), pair.eager.model(x))
+    micro = [torch.randn(BATCH, WIDTH, generator=gen) for _ in range(2)]
+    for watched in (pair.eager, pair.split):
+        watched.ddp.zero_grad()
+        with watched.ddp.no_sync():
+            watched.model(micro[0]).square().mean().backward()
+        watched.model(micro[1]).square().mean().backward()
+    for a, e in zip(pair.split.ddp.parameters(), pair.eager.ddp.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, e.grad)
+
+
 def _worker(rank: int, world: int, *, case: str) -> dict:
     kwargs = {"static_graph": True} if case == "static_graph" else {}
     out: dict = {}
+    checkpointed = case in CHECKPOINTED
     with ddp_split_backend.own_split():
-        pair = _Pair(0, kwargs, regional=case == "regional")
+        pair = _Pair(0, kwargs, regional=case == "regional", checkpointed=checkpointed)
         if case == "failed_first_call":
             with pytest.raises(RuntimeError):  # a bad batch the loop skips
                 pair.split.model(torch.randn(BATCH, WIDTH + 1)).sum().backward()
@@ -116,19 +141,26 @@ def _worker(rank: int, world: int, *, case: str) -> dict:
             del pair
             gc.collect()
             out["first_trial_freed"] = freed() is None
-            pair = _Pair(1, kwargs)
+            pair = _Pair(1, kwargs, checkpointed=checkpointed)
             pair.train(rank, STEPS, seed=1)
+        elif case == "checkpointed":
+            pair.train(rank, STEPS // 2)
+            _eval_and_no_sync(pair, rank)
+            pair.train(rank, STEPS - STEPS // 2, seed=1)
         else:
             pair.train(rank, STEPS)
         out["counts"] = pair.split.counts
         for a, b in zip(pair.eager.ddp.parameters(), pair.split.ddp.parameters(), strict=True):
             torch.testing.assert_close(a, b)
     out["plans"] = [(len(r.plan.pieces), len(r.plan.buckets)) for r in ddp_split.records]
+    out["region_cuts"] = [len(c.before) for r in ddp_split.records for c in r.plan.regions]
     dist.barrier()
     return out
 
 
-@pytest.mark.parametrize("case", ["plain", "static_graph", "two_models", "sweep", "regional", "failed_first_call"])
+@pytest.mark.parametrize(
+    "case", ["plain", "checkpointed", "static_graph", "two_models", "sweep", "regional", "failed_first_call"]
+)
 def test_every_setup_overlaps_after_the_first_steps_and_matches_eager_ddp(tmp_path, case) -> None:
     results = run_ranks(_worker, tmp_path, world=2, case=case)
     for result in results:
@@ -142,3 +174,5 @@ def test_every_setup_overlaps_after_the_first_steps_and_matches_eager_ddp(tmp_pa
             assert any(pieces == buckets == DEPTH for pieces, buckets in result["plans"]), result["plans"]
         if case == "sweep":
             assert result["first_trial_freed"]
+        if case in CHECKPOINTED:  # the region cut between each of its layers' buckets
+            assert result["region_cuts"] and set(result["region_cuts"]) == {DEPTH - 3}, result["region_cuts"]

@@ -643,7 +643,7 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
 # Tests and profiles
 # ---------------------------------------------------------------------------------------
 
-PROGRAMS_DEFAULT = int(os.environ.get("DDP_SPLIT_FUZZ_PROGRAMS", "150"))
+PROGRAMS_DEFAULT = int(os.environ.get("DDP_SPLIT_FUZZ_PROGRAMS", "80"))
 FX_DEFAULT = int(os.environ.get("DDP_SPLIT_FUZZ_FX", "400"))
 PROGRAMS_DEEP = int(os.environ.get("DDP_SPLIT_FUZZ_PROGRAMS_DEEP", "5000"))
 FX_DEEP = int(os.environ.get("DDP_SPLIT_FUZZ_FX_DEEP", "10000"))
