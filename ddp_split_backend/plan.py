@@ -639,10 +639,9 @@ def _group_by_cost(
     return piece_of, sizing
 
 
-TOLERANCE = 0.005
+TOLERANCE = 0.02
 """Fewer pieces are chosen over more when predicted at most this much slower (a share of
-the best predicted step). Kept small: where communication dominates, the step is long and 2 %
-of it (the value until 2026-12-07) let through groupings measurably slower than the best."""
+the best predicted step): less than the step-to-step noise of the measurements behind it."""
 BACKWARD_SHARE = 0.6
 """Share of a piece's fixed cost paid in backward (AOTAutograd's backward wrapper is the
 larger part: RESULTS.md, "Where the split's cost goes")."""

@@ -117,6 +117,29 @@ def test_each_structure_is_exact_when_cut(structure: str) -> None:
     assert sum(len(r.before) for r in plan.regions) >= pieces - 2, plan.table()
 
 
+def test_every_part_carries_the_selective_checkpointing_policy() -> None:
+    """Dynamo keeps a ``context_fn`` on the region's body; every part's body has it."""
+    seen: list[torch.fx.GraphModule] = []
+
+    def keep(gm: torch.fx.GraphModule, example_inputs):  # a callable inner backend: sees every piece
+        seen.append(gm)
+        return gm.forward
+
+    torch.manual_seed(0)
+    backend = DDPSplitBackend(SplitConfig(inner=keep, bucket_cap_mb=LAYER_MB, first_bucket_cap_mb=LAYER_MB,
+                                          split_checkpoints="always"))
+    torch.compile(Mixed(), backend=backend)(torch.randn(16, WIDTH)).backward()
+    bodies = [
+        getattr(gm, str(node.args[0].target))
+        for gm in seen for node in gm.graph.nodes
+        if node.op == "call_function" and "tag_activation_checkpoint" in str(node.target)
+    ]
+    policies = [b.meta.get("_checkpoint_context_fn") for b in bodies]
+    with_policy = [p for p in policies if p is not None]
+    assert len(bodies) == 6 and len(with_policy) == 5, policies  # five parts of the first region, the second has none
+    assert all(p.func is SAVE_MATMULS.func and p.args == SAVE_MATMULS.args for p in with_policy), with_policy
+
+
 def test_inductor_replays_dropout_and_autocast_in_each_region() -> None:
     import torch._inductor.config as inductor_config
 
