@@ -73,3 +73,10 @@ def world1() -> Iterator[None]:
 @pytest.fixture
 def counting() -> CountingCompiler:
     return CountingCompiler()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The ranks' fork server ends with the session that started it (tests/multiproc.py)."""
+    from .multiproc import stop_fork_server
+
+    stop_fork_server()

@@ -234,6 +234,7 @@ def test_explain_shows_the_cuts_inside_the_region() -> None:
 # ---------------------------------------------------------------------------------------------
 
 CASES = ("six_aot_eager", "six_static_graph", "six_never", "six_inductor", "mixed_inductor", "gpt2_checkpointing")
+"""``static_graph=True`` with a checkpoint region also trains in tests/test_default_lifecycle.py."""
 
 
 @pytest.fixture(scope="module")
