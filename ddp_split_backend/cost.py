@@ -40,12 +40,12 @@ __all__ = [
     "DEVICE_RATES", "FIXED_COST_S", "DeviceRates", "device_rates", "fixed_cost_s", "node_backward_s", "value_bytes",
 ]
 
-FIXED_COST_S = {"inductor": 0.18e-3, "aot_eager": 0.31e-3}
-"""Per-step cost of one piece, measured on the project CPU (RESULTS.md 14.1, 2026-12-04:
-(x1 - x32) / 31 on the overhead model). Other inner backends use the larger one. Kept on
-2026-12-07: the instant-link cells of that day's grid measured about half (0.10, 0.135 ms), but
-auto with those and a 0.5 % tolerance did worse on the grid (run 3 in RESULTS.md): the larger
-value stands in for costs the model leaves out."""
+FIXED_COST_S = {"inductor": 0.10e-3, "aot_eager": 0.135e-3}
+"""Per-step cost of one piece, measured on the project CPU: (x1 - x32) / 31 on the overhead
+model over an instant link (RESULTS.md 2026-12-07, grid run 2: 0.094 and 0.134 ms; 0.18 and
+0.31 ms on 2026-12-04, before the per-step path got cheaper). Other inner backends use the
+larger one."""
+
 _MATMULS = {torch.matmul, operator.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm, torch.addbmm}
 _MATMUL_METHODS = {"matmul", "mm", "bmm", "addmm", "baddbmm", "__matmul__"}
 _CONVS = {torch.conv1d, torch.conv2d, torch.conv3d, F.conv1d, F.conv2d, F.conv3d,

@@ -46,16 +46,17 @@ has run, after every piece before it in backward order, each of which also paid 
 cost of a piece (Note [Piece cost model] in ``cost.py``). One link sends buckets in the order
 they are ready, so piece j's communication ends at ``max(end of j - 1's, ready_j) + comm_j``;
 the step ends when the last communication does, and every piece's forward pays its fixed
-cost too. Up to :data:`EXACT_BUCKETS` buckets the search is exact: for a given number of
-pieces, the earliest end over the first i buckets only depends on the earliest end over a
-shorter prefix, so a dynamic programme over (buckets consumed, pieces used) finds the best
-grouping for every number of pieces. It costs about buckets^3 / 6 steps, so with more
-buckets (a graph of thousands) the candidates are balanced groupings instead: for piece
-counts growing geometrically, the buckets cut into groups of equal backward time, and of
-equal communication, and groups of 1, 2, 4, ... buckets each, each evaluated in one pass
-(O(buckets x log(buckets)) in all; ``benchmarks/plan_scaling.py``). Of the candidates, the fewest pieces predicted within
-:data:`TOLERANCE` of the best is chosen: the prediction is not that exact, and every piece
-adds compile time and a cost per step the model may underrate.
+cost too. The candidates are *even* groupings: for piece counts growing geometrically
+(:data:`_LADDER`), the buckets cut into groups of equal backward time, and of equal
+communication, and groups of 1, 2, 4, ... buckets each; each is evaluated in one pass
+(O(buckets x log(buckets)) in all; ``benchmarks/plan_scaling.py``). Of them, the fewest pieces
+predicted within :data:`TOLERANCE` of the best is chosen. Until 2026-12-07 the search was
+exact up to 32 buckets (a dynamic programme over every grouping), and where communication
+dominates, its optimum was uneven: a small piece first in backward, to start the link early,
+then large ones. Measured, those were slower than the even groupings beside them (RESULTS.md,
+grid runs 2 and 3: 57.2 ms for 5 uneven pieces against 49.9 ms for 4 even ones), what the
+model leaves out (DDP's per-parameter hooks, the engine's order, the link's start) favouring
+evenness; among even groupings its ranking held.
 Communication per bucket is its bytes over ``link_gbps`` (``inf``: an instant link), which
 ``min_piece_mb="auto"`` requires: nothing at compile time can tell the link, and a plan that
 every rank derives alone must not depend on anything measured while training
@@ -639,17 +640,15 @@ def _group_by_cost(
     return piece_of, sizing
 
 
-TOLERANCE = 0.02
+TOLERANCE = 0.005
 """Fewer pieces are chosen over more when predicted at most this much slower (a share of
-the best predicted step): less than the step-to-step noise of the measurements behind it."""
+the best predicted step). Small: where communication dominates, the step is long, and 2 % of
+it (the value until 2026-12-07) let through groupings measurably slower than the best."""
 BACKWARD_SHARE = 0.6
 """Share of a piece's fixed cost paid in backward (AOTAutograd's backward wrapper is the
 larger part: RESULTS.md, "Where the split's cost goes")."""
-EXACT_BUCKETS = 32
-"""Up to this many buckets the grouping is searched exactly (a dynamic programme, about
-buckets^3 / 6 steps); above it, among balanced groupings (Note [Choosing pieces by cost])."""
 _LADDER = 1.25
-"""Ratio between successive piece counts tried above :data:`EXACT_BUCKETS` buckets."""
+"""Ratio between successive piece counts tried (Note [Choosing pieces by cost])."""
 
 
 def _predicted_step(backward: Sequence[float], comm: Sequence[float], fixed: float, sizes: Sequence[int]) -> float:
@@ -664,48 +663,17 @@ def _predicted_step(backward: Sequence[float], comm: Sequence[float], fixed: flo
 
 
 def _best_grouping(backward: Sequence[float], comm: Sequence[float], fixed: float) -> list[int]:
-    """Group sizes (backward order) with the smallest :func:`_predicted_step`: exactly up to
-    :data:`EXACT_BUCKETS` buckets, else the best balanced grouping."""
+    """Group sizes (backward order) with the smallest :func:`_predicted_step` among the even
+    groupings of :func:`_even_groupings`; the fewest pieces within :data:`TOLERANCE` of it."""
     n = len(backward)
     if n <= 1:
         return [n] if n else []
-    candidates = _exact_groupings(backward, comm, fixed) if n <= EXACT_BUCKETS else _balanced_groupings(backward, comm)
-    steps = [(_predicted_step(backward, comm, fixed, sizes), sizes) for sizes in candidates]
+    steps = [(_predicted_step(backward, comm, fixed, sizes), sizes) for sizes in _even_groupings(backward, comm)]
     best = min(step for step, _ in steps)
     return min((sizes for step, sizes in steps if step <= best * (1 + TOLERANCE)), key=len)
 
 
-def _exact_groupings(backward: Sequence[float], comm: Sequence[float], fixed: float) -> list[list[int]]:
-    """For every number of pieces, the group sizes with the earliest end of communication."""
-    n = len(backward)
-    before, sent = _prefix(backward), _prefix(comm)
-    inf = math.inf
-    # end[m][i]: earliest end of communication with the first i buckets in m pieces.
-    end = [[inf] * (n + 1) for _ in range(n + 1)]
-    choice = [[0] * (n + 1) for _ in range(n + 1)]
-    end[0][0] = 0.0
-    for m in range(1, n + 1):
-        for i in range(m, n + 1):
-            ready = before[i] + m * BACKWARD_SHARE * fixed
-            for j in range(m - 1, i):
-                prev = end[m - 1][j]
-                if prev == inf:
-                    continue
-                candidate = max(prev, ready) + sent[i] - sent[j]
-                if candidate < end[m][i]:
-                    end[m][i], choice[m][i] = candidate, j
-    groupings = []
-    for pieces in range(1, n + 1):
-        sizes, i = [], n
-        for m in range(pieces, 0, -1):
-            j = choice[m][i]
-            sizes.append(i - j)
-            i = j
-        groupings.append(sizes[::-1])
-    return groupings
-
-
-def _balanced_groupings(backward: Sequence[float], comm: Sequence[float]) -> list[list[int]]:
+def _even_groupings(backward: Sequence[float], comm: Sequence[float]) -> list[list[int]]:
     """For piece counts 1, 2, ... growing by :data:`_LADDER`, the buckets cut into that many
     groups of about equal backward time, and of about equal communication; and groups of 1,
     2, 4, ... buckets each: O(buckets) each, O(buckets x log(buckets)) in all."""
