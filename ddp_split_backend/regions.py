@@ -58,7 +58,7 @@ from .plan import BoundaryAdjustment, RegionCut, RegionOutcome, ddp_packing, rea
 from .split import split_graph
 from .state import Ambient
 
-__all__ = ["RegionSplit", "cut_regions", "wanted_region_cuts"]
+__all__ = ["RegionSplit", "cut_regions"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +81,7 @@ class _Wanted:
     """Body index of the last node completing a parameter of the bucket in front."""
 
 
-def wanted_region_cuts(layout: GraphLayout, params: ParamTable, caps: BucketCaps) -> dict[int, list[_Wanted]]:
+def _wanted_region_cuts(layout: GraphLayout, params: ParamTable, caps: BucketCaps) -> dict[int, list[_Wanted]]:
     """Bucket boundaries that fall inside checkpoint regions, by the region's node index."""
     order = ready_order(params)
     position = {use.name: use.position for use in order}
@@ -116,7 +116,7 @@ def cut_regions(
         keep: per region (node name), the body nodes a cut may go in front of (the parts that
             ended up in different pieces); ``None``: any.
     """
-    wanted = wanted_region_cuts(layout, params, caps)
+    wanted = _wanted_region_cuts(layout, params, caps)
     records: list[RegionCut] = []
     cuts: dict[fx.Node, tuple[tuple[int, ...], GraphLayout, fx.GraphModule]] = {}
     for index, found in sorted(wanted.items()):
