@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 
 __all__ = [  # every name the package uses (tests/test_compile_stage.py checks the list)
+    "CHECKPOINT_POLICY_KEY",
     "CompileContext",
     "DDP_OPTIMIZER_MARK",
     "DIFFERENCES",
@@ -321,6 +322,9 @@ set_dispatch_key_included = _resolve("torch._C._dispatch_tls_set_dispatch_key_in
 set_dispatch_key_excluded = _resolve("torch._C._dispatch_tls_set_dispatch_key_excluded", "restores dispatch keys")
 
 # --- Dynamo, AOTAutograd and fake tensors
+CHECKPOINT_POLICY_KEY = "_checkpoint_context_fn"
+"""Where Dynamo keeps a checkpoint's selective-checkpointing ``context_fn``: the body's ``meta``
+(torch/_dynamo/variables/higher_order_ops.py, read by torch/_higher_order_ops/wrap.py)."""
 checkpoint_region_op = _resolve(
     "torch._higher_order_ops.wrap.tag_activation_checkpoint",
     "the node a non-reentrant activation checkpoint becomes; its body is its first argument",

@@ -15,6 +15,7 @@ never fail a frame: when it cannot decide, it does not reuse.
 from __future__ import annotations
 
 import enum
+import functools
 import types
 from collections.abc import Sequence
 from typing import Any
@@ -109,25 +110,47 @@ def structure_key(gm: fx.GraphModule, args: Sequence[Any], grad: bool) -> tuple 
     Equal keys mean: the same ops with the same arguments, inputs with the same metadata
     (type, shape, strides, offset, dtype, device, autograd and inference flags, and which
     inputs share storage), called in the same grad mode (AOTAutograd decides at trace time whether to record a
-    backward). Pieces holding attributes (constants, submodules) are never shared, nor are
-    pieces with an argument the key cannot describe or an input of a tensor subclass.
+    backward). Pieces holding attributes other than subgraphs (constants, submodules) are
+    never shared, nor are pieces with an argument the key cannot describe or an input of a
+    tensor subclass.
     """
-    position: dict[fx.Node, int] = {}
-    parts: list[object] = []
     try:
-        for i, node in enumerate(gm.graph.nodes):
-            if node.op == "get_attr":
-                return None
-            position[node] = i
-            target = _target_key(node.target) if node.op != "placeholder" else None
-            arguments = _arg_key(node.args, position)
-            keywords = tuple((k, _arg_key(v, position)) for k, v in node.kwargs.items())
-            parts.append((node.op, target, arguments, keywords))
-        key = (grad, tuple(parts), _inputs_key(args))
+        key = (grad, _graph_key(gm), _inputs_key(args))
         hash(key)
     except (_NotDescribable, TypeError):
         return None
     return key
+
+
+def _graph_key(gm: fx.GraphModule) -> tuple:
+    """The ops of ``gm``'s graph and their arguments. An attribute is described by what it is:
+    a subgraph (the body of an activation checkpoint, Note [Cutting checkpoint regions]) by its
+    own graph and the checkpointing policy Dynamo keeps beside it; anything else (a tensor
+    constant, a module) is not described."""
+    position: dict[fx.Node, int] = {}
+    parts: list[object] = []
+    for i, node in enumerate(gm.graph.nodes):
+        position[node] = i
+        if node.op == "get_attr":
+            parts.append(("get_attr", _body_key(getattr(gm, str(node.target), None))))
+            continue
+        target = _target_key(node.target) if node.op != "placeholder" else None
+        arguments = _arg_key(node.args, position)
+        keywords = tuple((k, _arg_key(v, position)) for k, v in node.kwargs.items())
+        parts.append((node.op, target, arguments, keywords))
+    return tuple(parts)
+
+
+def _body_key(body: object) -> tuple:
+    if not isinstance(body, fx.GraphModule):
+        raise _NotDescribable(type(body).__qualname__)
+    policy = body.meta.get(_torch.CHECKPOINT_POLICY_KEY)
+    if isinstance(policy, functools.partial):
+        policy_key: object = ("partial", _target_key(policy.func), _arg_key(policy.args, {}),
+                              _arg_key(policy.keywords, {}))
+    else:
+        policy_key = None if policy is None else _arg_key(policy, {})
+    return ("body", policy_key, _graph_key(body))
 
 
 def reusable_outputs(outputs: Sequence[Any], inputs: Sequence[Any]) -> bool:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import ddp_split_backend
+from ddp_split_backend import _torch
 from ddp_split_backend import DDPSplitBackend, RegionOutcome, SplitConfig, SplitConfigError
 
 from .checkpoint_cases import SAVE_MATMULS, Mixed, SixLayers
@@ -134,10 +135,38 @@ def test_every_part_carries_the_selective_checkpointing_policy() -> None:
         for gm in seen for node in gm.graph.nodes
         if node.op == "call_function" and "tag_activation_checkpoint" in str(node.target)
     ]
-    policies = [b.meta.get("_checkpoint_context_fn") for b in bodies]
+    policies = [b.meta.get(_torch.CHECKPOINT_POLICY_KEY) for b in bodies]
     with_policy = [p for p in policies if p is not None]
     assert len(bodies) == 6 and len(with_policy) == 5, policies  # five parts of the first region, the second has none
     assert all(p.func is SAVE_MATMULS.func and p.args == SAVE_MATMULS.args for p in with_policy), with_policy
+
+
+class _Blocks(nn.Module):
+    """Three identical blocks, each a checkpoint region over two layers (a bucket each)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = _layers()
+
+    def block(self, x: torch.Tensor, first: nn.Linear, second: nn.Linear) -> torch.Tensor:
+        return x + torch.tanh(second(torch.tanh(first(x))))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i in range(0, 6, 2):
+            x = checkpoint(self.block, x, self.layers[i], self.layers[i + 1], use_reentrant=False)
+        return x.square().mean()
+
+
+def test_parts_of_identical_blocks_share_one_compile() -> None:
+    """The parts of repeated blocks are pieces with the same ops (their bodies compared by
+    their graphs): compiled once, as identical pieces without regions are."""
+    from ddp_split_backend import Outcome
+
+    torch.manual_seed(0)
+    backend = _compile_and_compare(_Blocks(), inner="aot_eager")
+    record = backend.records[-1]
+    assert len(record.plan.pieces) == 6 and all(len(r.before) == 1 for r in record.plan.regions), record.plan.table()
+    assert sum(p.outcome is Outcome.SHARED for p in record.pieces) >= 3, [p.outcome for p in record.pieces]
 
 
 def test_inductor_replays_dropout_and_autocast_in_each_region() -> None:
