@@ -30,7 +30,7 @@ from .diagnostics import log_backward_compiled, log_buckets_checked, log_compile
 from .first_backward import BackwardCompile, forget_all, watch
 from .ready_order import BucketCheck, ReadyOrder
 from .inner import inner_compile
-from .layout import GraphLayout, layout_graph
+from .layout import GraphLayout, compute_nodes, layout_graph
 from .params import ParamTable, find_params, parameter_placeholders
 from .plan import BucketPlan, CostInputs, GraphShare, SplitPlan, WholeReason, plan_buckets
 from .regions import RegionSplit, cut_regions
@@ -264,7 +264,7 @@ def _cost_inputs(
 
 
 def _ddp_optimizer_piece_plan(gm: fx.GraphModule, config: SplitConfig, graph_name: str) -> SplitPlan:
-    count = sum(1 for n in gm.graph.nodes if n.op not in ("placeholder", "get_attr", "output"))
+    count = len(compute_nodes(gm))
     bucket = BucketPlan(piece=0, bucket=0, nbytes=0, params=(), start=0, stop=count)
     return SplitPlan(
         buckets=(bucket,),

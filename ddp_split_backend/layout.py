@@ -18,7 +18,7 @@ import torch.fx as fx
 from . import _torch
 from .state import Ambient, PointState, StateAction, StateKind, classify, simulate, unpaired_toggles
 
-__all__ = ["AdjustReason", "GraphLayout", "StateSpan", "layout_graph", "state_spans"]
+__all__ = ["AdjustReason", "GraphLayout", "StateSpan", "compute_nodes", "layout_graph", "state_spans"]
 
 
 class AdjustReason(enum.Enum):
@@ -105,9 +105,14 @@ def _aliases_input(user: fx.Node, value: fx.Node) -> bool:
     return any(_storage_id(o) == storage for o in outs if isinstance(o, torch.Tensor))
 
 
+def compute_nodes(gm: fx.GraphModule) -> tuple[fx.Node, ...]:
+    """The nodes of ``gm`` that compute, in forward order: no placeholders, ``get_attr`` or output."""
+    return tuple(n for n in gm.graph.nodes if n.op not in ("placeholder", "get_attr", "output"))
+
+
 def layout_graph(gm: fx.GraphModule, ambient: Ambient) -> GraphLayout:
     """Simulate global state and find the legal cut positions of ``gm``; linear in its size."""
-    nodes = tuple(n for n in gm.graph.nodes if n.op not in ("placeholder", "get_attr", "output"))
+    nodes = compute_nodes(gm)
     count = len(nodes)
     index = {n: i for i, n in enumerate(nodes)}
     states = simulate(nodes, ambient)

@@ -17,6 +17,7 @@ import torch.fx as fx
 
 
 from . import _torch
+from .layout import compute_nodes
 
 __all__ = ["ParamUse", "ParamTable", "body_first_uses", "find_params", "is_checkpoint_region", "parameter_placeholders"]
 
@@ -124,18 +125,14 @@ def is_checkpoint_region(node: fx.Node) -> bool:
     )
 
 
-def body_compute_nodes(body: fx.GraphModule) -> tuple[fx.Node, ...]:
-    return tuple(n for n in body.graph.nodes if n.op not in ("placeholder", "get_attr", "output"))
-
-
 def body_first_uses(gm: fx.GraphModule, region: fx.Node) -> dict[fx.Node, tuple[int, ...]]:
     """For a checkpoint region: each of its arguments (graph nodes) and where its body first
-    reads it: the index among :func:`body_compute_nodes`, then, when that node is a nested
+    reads it: the index among its :func:`~.layout.compute_nodes`, then, when that node is a nested
     region, the place in the nested body."""
     body = attrgetter(str(region.args[0].target))(gm)  # type: ignore[union-attr]
     placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
     first: dict[fx.Node, tuple[int, ...]] = {}
-    for index, node in enumerate(body_compute_nodes(body)):
+    for index, node in enumerate(compute_nodes(body)):
         nested = body_first_uses(body, node) if is_checkpoint_region(node) else {}
         for arg in node.all_input_nodes:
             if arg.op == "placeholder" and arg not in first:
@@ -193,11 +190,7 @@ def find_params(
         index: int, name: str, param: torch.Tensor, slot: int | None = None, within: tuple[int, ...] = ()
     ) -> None:
         key = id(param)
-        if key in ignored or not param.requires_grad:
-            return
-        if key in first_use:
-            if first_use[key][0] == index and within < first_use[key][4]:  # the same region again
-                first_use[key] = (*first_use[key][:4], within)
+        if key in first_use or key in ignored or not param.requires_grad:
             return
         name = names.get(key, name)
         if _is_ignored(param, name, ddp_ignored):

@@ -53,7 +53,7 @@ from . import _torch
 from .config import BucketCaps
 from .cost import value_bytes
 from .layout import AdjustReason, GraphLayout, layout_graph
-from .params import ParamTable, body_compute_nodes, is_checkpoint_region
+from .params import ParamTable, is_checkpoint_region
 from .plan import BoundaryAdjustment, RegionCut, RegionOutcome, ddp_packing, ready_order
 from .split import split_graph
 from .state import Ambient
@@ -116,6 +116,8 @@ def cut_regions(
         keep: per region (node name), the body nodes a cut may go in front of (the parts that
             ended up in different pieces); ``None``: any.
     """
+    if not any(is_checkpoint_region(node) for node in layout.nodes):
+        return RegionSplit(gm, (), {})
     wanted = _wanted_region_cuts(layout, params, caps)
     records: list[RegionCut] = []
     cuts: dict[fx.Node, tuple[tuple[int, ...], GraphLayout, fx.GraphModule]] = {}

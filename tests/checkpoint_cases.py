@@ -15,6 +15,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from .real_models import _hf_loss, _tokens, gpt2
+
 STEPS = 12
 
 
@@ -134,21 +136,9 @@ def _call(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _gpt2_checkpointed() -> nn.Module:
-    from .real_models import gpt2
-
     model = gpt2()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
-
-
-def _tokens(gen: torch.Generator) -> dict[str, torch.Tensor]:
-    from .real_models import _tokens as tokens
-
-    return tokens(gen)
-
-
-def _hf_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    return model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
 
 
 CASES: dict[str, dict[str, Any]] = {

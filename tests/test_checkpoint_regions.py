@@ -17,6 +17,7 @@ from ddp_split_backend import _torch
 from ddp_split_backend import DDPSplitBackend, RegionOutcome, SplitConfig, SplitConfigError
 
 from .checkpoint_cases import SAVE_MATMULS, Mixed, SixLayers
+from .helpers import assert_grads_equal, take_grads
 from .multiproc import run_ranks
 
 WIDTH = 128
@@ -102,8 +103,7 @@ def _compile_and_compare(model: nn.Module, steps: int = 2, **options) -> DDPSpli
             torch.manual_seed(step)
             run(x).backward()
     tol = {"rtol": 1e-5, "atol": 1e-5} if options.get("inner") == "aot_eager" else {"rtol": 2e-3, "atol": 2e-3}
-    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, **tol, msg=lambda m, name=name: f"{name}: {m}")
+    assert_grads_equal(model, take_grads(reference), **tol)
     return backend
 
 
