@@ -74,8 +74,8 @@ def measure(buckets: int, args: argparse.Namespace) -> dict[str, Any]:
     auto_s, auto_plan = best_of(args.repeats, lambda: plan_split(gm, inputs, config=auto))
     sizing = auto_plan.sizing
     assert sizing is not None and len(plan.buckets) == buckets, (len(plan.buckets), buckets)
-    backward, comm = sizing.bucket_backward_s[::-1], sizing.bucket_comm_s[::-1]
-    search_s, _ = best_of(args.repeats, lambda: _best_grouping(backward, comm, sizing.fixed_s))
+    backward, comm, launch = sizing.bucket_backward_s[::-1], sizing.bucket_comm_s[::-1], sizing.bucket_launch_s[::-1]
+    search_s, _ = best_of(args.repeats, lambda: _best_grouping(backward, comm, sizing.fixed_s, launch))
     return {
         "buckets": buckets,
         "nodes": len(gm.graph.nodes),

@@ -256,10 +256,12 @@ def _cost_inputs(
     """What ``min_piece_mb="auto"`` groups by (Note [Piece cost model] in cost.py)."""
     assert config.link_gbps is not None  # SplitConfig requires it with "auto"
     device = next((t.device for t in example_inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    rates = device_rates(device)
     return CostInputs(
-        node_backward_s=node_backward_s(layout.nodes, gm, device_rates(device)),
+        node_backward_s=node_backward_s(layout.nodes, gm, rates),
         fixed_s=fixed_cost_s(config.inner),
         link_bytes_per_s=config.link_gbps * 1e9,
+        rates=rates,
     )
 
 

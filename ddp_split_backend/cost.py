@@ -18,6 +18,15 @@ time: a plan is a function of the graph, its parameters and the options only, so
 makes the same one (two ranks timing their own host could rank two nearly equal groupings
 differently).
 
+A bucket's communication cannot start when its piece's backward ends, but when DDP launches
+it: after a piece, the engine accumulates its gradients one by one, DDP's reducer copies each
+into its bucket, and a full bucket calls the comm hook, one bucket after another on the thread
+that runs backward (:func:`bucket_launch_s`: a fixed host cost and the copy). Where that is
+slower than the link, the link keeps up with the launches of one piece, and more pieces
+overlap little more: on the project CPU, over a link sending a 1 MiB bucket in 0.18 ms, one
+piece was the best grouping of 32 buckets, DDP launching them 0.13 ms apart (RESULTS.md,
+grid run 5).
+
 The estimates are for choosing a grouping, not for reporting: they only need to rank
 groupings the way the real step times would.
 """
@@ -37,7 +46,8 @@ import torch.nn.functional as F
 from . import _torch
 
 __all__ = [
-    "DEVICE_RATES", "FIXED_COST_S", "DeviceRates", "device_rates", "fixed_cost_s", "node_backward_s", "value_bytes",
+    "DEVICE_RATES", "FIXED_COST_S", "DeviceRates", "bucket_launch_s", "device_rates", "fixed_cost_s",
+    "node_backward_s", "value_bytes",
 ]
 
 FIXED_COST_S = {"inductor": 0.10e-3, "aot_eager": 0.135e-3}
@@ -61,19 +71,28 @@ class DeviceRates:
     bytes_per_s: float
     op_s: float
     """One small op from Python (dispatch and launch, no work)."""
+    bucket_s: float
+    """DDP's host work to launch one bucket, its copy aside (accumulation and reducer hooks,
+    the comm hook's call)."""
+    copy_bytes_per_s: float
+    """How fast DDP copies gradients into a bucket (one plain copy, faster than
+    :attr:`bytes_per_s`, which is fitted to backward's mixed elementwise work)."""
 
 
 DEVICE_RATES = {
-    "cpu": DeviceRates(flops_per_s=8.8e10, bytes_per_s=6.0e9, op_s=3.1e-6),
-    "cuda": DeviceRates(flops_per_s=50e12, bytes_per_s=2.0e12, op_s=10e-6),
+    "cpu": DeviceRates(flops_per_s=8.8e10, bytes_per_s=6.0e9, op_s=3.1e-6, bucket_s=0.06e-3, copy_bytes_per_s=15e9),
+    "cuda": DeviceRates(flops_per_s=50e12, bytes_per_s=2.0e12, op_s=10e-6, bucket_s=0.05e-3, copy_bytes_per_s=2.0e12),
 }
 """Rates per device type, for ranking groupings. ``cpu``: this project's 2-core CPU, one
 thread (a plan must not depend on a process's thread count): a 256 x 256 matmul's FLOP rate, and
 a memory rate set so that the estimate of a measured ``Linear`` + GELU backward comes out right
 (2026-12-07: 394 us a layer at width 512, batch 2, and 4.8 ms at 1024 x 64, one thread; cache-
 resident micro-kernels, ``benchmarks/device_rates.py``, read 7-10 x faster and made backward look
-far cheaper than communication). ``cuda``: an H100's order of magnitude (FP32 matmuls, HBM
-bandwidth, one kernel launch from Python). Other devices use the CPU's."""
+far cheaper than communication); ``bucket_s`` and ``copy_bytes_per_s`` from the intervals at
+which DDP launched the buckets of one piece, 0.13 ms for 1 MiB and 0.30-0.36 ms for 4 MiB
+(``benchmarks/bucket_launch.py``, aot_eager and inductor alike). ``cuda``: an H100's order of magnitude (FP32 matmuls, HBM
+bandwidth, one kernel launch from Python, the reducer's host work). Other devices use the
+CPU's."""
 
 
 def _value(arg: Any) -> Any:
@@ -137,6 +156,12 @@ def node_backward_s(nodes: Sequence[fx.Node], gm: fx.GraphModule, rates: DeviceR
         moved = sum(_numel(t) * t.element_size() for t in inputs + _tensors(_value(node)))
         seconds.append(2.0 * (flops / rates.flops_per_s + moved / rates.bytes_per_s + rates.op_s))
     return tuple(seconds)
+
+
+def bucket_launch_s(nbytes: int, rates: DeviceRates) -> float:
+    """Seconds DDP takes to launch a bucket of ``nbytes`` once its gradients are ready (Note
+    [Piece cost model])."""
+    return rates.bucket_s + nbytes / rates.copy_bytes_per_s
 
 
 def device_rates(device: torch.device) -> DeviceRates:

@@ -43,10 +43,11 @@ Note [Choosing pieces by cost]
 ``min_piece_mb="auto"`` groups consecutive buckets by predicted step time instead of by
 bytes. Backward visits the pieces last first; piece j's buckets are ready when its backward
 has run, after every piece before it in backward order, each of which also paid the fixed
-cost of a piece (Note [Piece cost model] in ``cost.py``). One link sends buckets in the order
-they are ready, so piece j's communication ends at ``max(end of j - 1's, ready_j) + comm_j``;
-the step ends when the last communication does, and every piece's forward pays its fixed
-cost too. The candidates are *even* groupings: for piece counts growing geometrically
+cost of a piece (Note [Piece cost model] in ``cost.py``), and DDP then launches them one by
+one on the same thread, each launch taking its time. One link sends buckets in the order
+they are launched, so a bucket's communication ends at ``max(end of the one before's,
+launched) + comm``; the step ends when the last communication, or the last launch, does,
+and every piece's forward pays its fixed cost too. The candidates are *even* groupings: for piece counts growing geometrically
 (:data:`_LADDER`), the buckets cut into groups of equal backward time, and of equal
 communication, and groups of 1, 2, 4, ... buckets each; each is evaluated in one pass
 (O(buckets x log(buckets)) in all; ``benchmarks/plan_scaling.py``). Of them, the fewest pieces
@@ -75,6 +76,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .config import BucketCaps
+from .cost import DeviceRates, bucket_launch_s
 from .layout import AdjustReason, GraphLayout, StateSpan, state_spans
 from .params import ParamTable, ParamUse
 
@@ -248,6 +250,8 @@ class CostInputs:
     """One piece's fixed cost per step (forward and backward together)."""
     link_bytes_per_s: float
     """``link_gbps`` in bytes per second (``inf``: an instant link)."""
+    rates: DeviceRates
+    """The device's rates; DDP's launch of a bucket is estimated from them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,6 +262,8 @@ class PieceSizing:
     """Estimated backward seconds per bucket, in forward order."""
     bucket_comm_s: tuple[float, ...]
     """Communication seconds per bucket (bytes over ``link_gbps``)."""
+    bucket_launch_s: tuple[float, ...]
+    """Seconds DDP takes to launch each bucket once its piece has run."""
     fixed_s: float
     link: str
     """Where the communication times came from, for people."""
@@ -272,7 +278,8 @@ class PieceSizing:
             f"auto: predicted step {self.predicted_s * ms:.2f} ms (one piece per bucket "
             f"{self.one_per_bucket_s * ms:.2f} ms, one piece {self.one_piece_s * ms:.2f} ms); "
             f"fixed cost {self.fixed_s * ms:.3f} ms per piece; backward {sum(self.bucket_backward_s) * ms:.2f} ms "
-            f"estimated; communication {sum(self.bucket_comm_s) * ms:.2f} ms ({self.link})"
+            f"estimated; DDP's launches {sum(self.bucket_launch_s) * ms:.2f} ms; communication "
+            f"{sum(self.bucket_comm_s) * ms:.2f} ms ({self.link})"
         )
 
 
@@ -616,6 +623,7 @@ def _group_by_cost(
     """The piece of each bucket (forward order) minimising the predicted step (Note
     [Choosing pieces by cost]); ``buckets`` holds (start node, stop node, bytes)."""
     backward = [sum(costs.node_backward_s[start:stop]) for start, stop, _ in buckets]
+    launch = [bucket_launch_s(nbytes, costs.rates) for _, _, nbytes in buckets]
     if math.isinf(costs.link_bytes_per_s):
         comm, link = [0.0] * len(buckets), "link_gbps=inf: instant"
     else:
@@ -623,7 +631,7 @@ def _group_by_cost(
         link = f"link_gbps={costs.link_bytes_per_s / 1e9:g}"
     if len(buckets) <= 1:
         link = "one bucket: nothing to group"
-    in_backward = (backward[::-1], comm[::-1], costs.fixed_s)  # backward visits the last bucket first
+    in_backward = (backward[::-1], comm[::-1], costs.fixed_s, launch[::-1])  # backward visits the last bucket first
     sizes = _best_grouping(*in_backward)
     piece_of_reversed = [g for g, size in enumerate(sizes) for _ in range(size)]
     last = len(sizes) - 1
@@ -631,6 +639,7 @@ def _group_by_cost(
     sizing = PieceSizing(
         bucket_backward_s=tuple(backward),
         bucket_comm_s=tuple(comm),
+        bucket_launch_s=tuple(launch),
         fixed_s=costs.fixed_s,
         link=link,
         predicted_s=_predicted_step(*in_backward, sizes),
@@ -651,24 +660,34 @@ _LADDER = 1.25
 """Ratio between successive piece counts tried (Note [Choosing pieces by cost])."""
 
 
-def _predicted_step(backward: Sequence[float], comm: Sequence[float], fixed: float, sizes: Sequence[int]) -> float:
-    """Predicted step of groups of ``sizes`` buckets, everything in backward order."""
-    ready = link = 0.0
+def _predicted_step(
+    backward: Sequence[float], comm: Sequence[float], fixed: float, launch: Sequence[float], sizes: Sequence[int]
+) -> float:
+    """Predicted step of groups of ``sizes`` buckets, everything in backward order: after each
+    piece DDP launches its buckets one by one (``launch``), each sent once launched and the
+    link free."""
+    host = link = 0.0
     i = 0
     for size in sizes:
-        ready += sum(backward[i:i + size]) + BACKWARD_SHARE * fixed
-        link = max(link, ready) + sum(comm[i:i + size])
+        host += sum(backward[i:i + size]) + BACKWARD_SHARE * fixed
+        for bucket in range(i, i + size):
+            host += launch[bucket]
+            link = max(link, host) + comm[bucket]
         i += size
-    return link + (1 - BACKWARD_SHARE) * fixed * len(sizes)
+    return max(link, host) + (1 - BACKWARD_SHARE) * fixed * len(sizes)
 
 
-def _best_grouping(backward: Sequence[float], comm: Sequence[float], fixed: float) -> list[int]:
+def _best_grouping(
+    backward: Sequence[float], comm: Sequence[float], fixed: float, launch: Sequence[float]
+) -> list[int]:
     """Group sizes (backward order) with the smallest :func:`_predicted_step` among the even
     groupings of :func:`_even_groupings`; the fewest pieces within :data:`TOLERANCE` of it."""
     n = len(backward)
     if n <= 1:
         return [n] if n else []
-    steps = [(_predicted_step(backward, comm, fixed, sizes), sizes) for sizes in _even_groupings(backward, comm)]
+    steps = [
+        (_predicted_step(backward, comm, fixed, launch, sizes), sizes) for sizes in _even_groupings(backward, comm)
+    ]
     best = min(step for step, _ in steps)
     return min((sizes for step, sizes in steps if step <= best * (1 + TOLERANCE)), key=len)
 

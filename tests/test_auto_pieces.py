@@ -30,17 +30,18 @@ def test_the_search_picks_the_fewest_pieces_near_the_best_even_grouping(seed: in
     backward = [rng.uniform(0.01, 3.0) for _ in range(n)]
     comm = [rng.choice([0.0, rng.uniform(0.0, 6.0)]) for _ in range(n)]
     fixed = rng.choice([0.0, 0.05, 0.3, 2.0])
-    found = _best_grouping(backward, comm, fixed)
+    launch = [rng.choice([0.0, rng.uniform(0.0, 1.0)]) for _ in range(n)]
+    found = _best_grouping(backward, comm, fixed, launch)
     assert sum(found) == n and all(size >= 1 for size in found)
-    step = _predicted_step(backward, comm, fixed, found)
+    step = _predicted_step(backward, comm, fixed, launch, found)
     candidates = _even_groupings(backward, comm) if n > 1 else [[n]]
-    best = min(_predicted_step(backward, comm, fixed, sizes) for sizes in candidates)
+    best = min(_predicted_step(backward, comm, fixed, launch, sizes) for sizes in candidates)
     assert step <= best * (1 + TOLERANCE) + 1e-12
-    near = [sizes for sizes in candidates if _predicted_step(backward, comm, fixed, sizes) <= best * (1 + TOLERANCE)]
+    near = [sizes for sizes in candidates if _predicted_step(backward, comm, fixed, launch, sizes) <= best * (1 + TOLERANCE)]
     assert len(found) == min(len(sizes) for sizes in near)
     for per_piece in range(1, n + 1):  # never worse than any fixed number of buckets per piece
         uniform = [per_piece] * (n // per_piece) + ([n % per_piece] if n % per_piece else [])
-        assert step <= _predicted_step(backward, comm, fixed, uniform) * (1 + TOLERANCE) + 1e-12 or (
+        assert step <= _predicted_step(backward, comm, fixed, launch, uniform) * (1 + TOLERANCE) + 1e-12 or (
             per_piece & (per_piece - 1)  # not a power of two: only the ladder's counts are tried
         )
 
@@ -64,9 +65,21 @@ def test_candidates_are_even_in_backward_time() -> None:
 
 def test_the_search_in_the_limits() -> None:
     backward = [1.0] * 6
-    assert _best_grouping(backward, [0.0] * 6, fixed=0.1) == [6]  # nothing to overlap: one piece
-    assert _best_grouping(backward, [0.9] * 6, fixed=0.0) == [1] * 6  # free pieces: every cut overlaps more
-    assert _best_grouping(backward, [1.0] * 6, fixed=100.0) == [6]  # pieces cost more than any overlap
+    assert _best_grouping(backward, [0.0] * 6, 0.1, [0.0] * 6) == [6]  # nothing to overlap: one piece
+    assert _best_grouping(backward, [0.9] * 6, 0.0, [0.0] * 6) == [1] * 6  # free pieces: every cut overlaps more
+    assert _best_grouping(backward, [1.0] * 6, 100.0, [0.0] * 6) == [6]  # pieces cost more than any overlap
+
+
+def test_a_link_that_keeps_up_with_ddps_launches_needs_one_piece() -> None:
+    """DDP launches a piece's buckets one by one: where that is slower than the link sends
+    them, one piece hides all but the last bucket's communication, and more pieces only add
+    their cost (the overhead model of benchmarks/step_overhead.py at comm 0.5 x backward)."""
+    backward, comm = [1.0] * 6, [0.5] * 6
+    assert len(_best_grouping(backward, comm, 0.1, [0.0] * 6)) > 1  # launches free: overlap pays
+    assert _best_grouping(backward, comm, 0.1, [0.6] * 6) == [6]
+    assert len(_best_grouping(backward, [0.9] * 6, 0.1, [0.1] * 6)) > 1  # the link slower: overlap pays
+    one_piece = _predicted_step(backward, comm, 0.1, [0.6] * 6, [6])
+    assert one_piece == pytest.approx(6 * 1.0 + 6 * 0.6 + 0.5 + 0.1)  # only the last bucket's send is exposed
 
 
 def _auto_plan(**options):
@@ -143,11 +156,12 @@ def test_auto_by_name_matches_eager_ddp(world1) -> None:
     assert len(plan.pieces) > 1 and len(plan.pieces[-1].buckets) == 1, plan.table()
 
 
-def _comm_bound(n: int, seed: int) -> tuple[list[float], list[float], float]:
+def _comm_bound(n: int, seed: int) -> tuple[list[float], list[float], float, list[float]]:
     rng = random.Random(seed)
     backward = [rng.uniform(0.5, 1.5) * 1e-3 for _ in range(n)]
     comm = [rng.uniform(0.2, 3.0) * 1e-3 for _ in range(n)]
-    return backward, comm, 0.3e-3
+    launch = [rng.uniform(0.0, 0.3) * 1e-3 for _ in range(n)]
+    return backward, comm, 0.3e-3, launch
 
 
 @pytest.mark.parametrize("n", [33, 200, 2000])
@@ -155,13 +169,13 @@ def test_many_buckets_are_grouped_no_worse_than_the_simple_groupings(n: int) -> 
     """Never worse than one piece, one piece per bucket, or a power-of-two number of buckets
     per piece (what min_piece_mb gives on equal buckets)."""
     for seed in range(3):
-        backward, comm, fixed = _comm_bound(n, seed)
-        found = _best_grouping(backward, comm, fixed)
+        backward, comm, fixed, launch = _comm_bound(n, seed)
+        found = _best_grouping(backward, comm, fixed, launch)
         assert sum(found) == n and all(size >= 1 for size in found)
-        step = _predicted_step(backward, comm, fixed, found)
+        step = _predicted_step(backward, comm, fixed, launch, found)
         for per_piece in (1, 2, 4, 8, 16, n):
             sizes = [per_piece] * (n // per_piece) + ([n % per_piece] if n % per_piece else [])
-            assert step <= _predicted_step(backward, comm, fixed, sizes) * (1 + TOLERANCE) + 1e-12, per_piece
+            assert step <= _predicted_step(backward, comm, fixed, launch, sizes) * (1 + TOLERANCE) + 1e-12, per_piece
 
 
 def test_the_search_stays_near_linear() -> None:
