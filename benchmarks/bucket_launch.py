@@ -5,8 +5,9 @@
 When a piece's backward has run, the engine accumulates its gradients one by one, DDP's
 reducer copies each into its bucket, and a full bucket calls the comm hook. This script
 compiles both models of ``step_overhead.py`` as one piece (``min_piece_mb`` above the model)
-under DDP on one gloo rank, with the simulated link of ``overlap.py`` made instant, and reads
-off the link's record when each bucket reached the comm hook: the interval between the first
+under DDP on one gloo rank, with the simulated link of ``overlap.py`` made instant (its
+schedule, no thread that would take the GIL between launches), and reads off the link's record
+when each bucket reached the comm hook: the interval between the first
 and the last, over the buckets between them, median over the steps. Two bucket sizes give
 the fixed host cost per bucket and the copy rate.
 
@@ -22,14 +23,14 @@ import statistics
 import torch
 
 import step_overhead as grid
-from overlap import HookState, Link, link_hook
+from overlap import HookState, ScheduledLink, link_hook
 
 MIB = 2**20
 
 
 def launch_interval_s(work: grid.Workload, inner: str, steps: int) -> tuple[float, int]:
     """Median seconds between two buckets' launches, and how many buckets DDP made."""
-    link = Link()
+    link = ScheduledLink()
     link.bandwidth = math.inf
     try:
         with grid.threads_of(work):

@@ -144,9 +144,52 @@ class Link:
             fut.set_result(buffer)
 
 
+class ScheduledLink:
+    """The same ideal link as :class:`Link`, kept as a schedule instead of a thread.
+
+    A bucket is sent from when it is ready or the link is free, whichever is later, for
+    ``bytes / bandwidth``; its future completes at once, and :meth:`settle`, called when
+    backward returns, sleeps until the last send ends. :class:`Link`'s thread takes the GIL
+    to complete each bucket, from the Python that runs backward (AOTAutograd's wrappers, the
+    comm hook): a cost real communication (C++ threads) does not have, and one that grows
+    with the backward the link overlaps. Here nothing runs beside backward. What this drops
+    is DDP copying a late bucket back after it arrives: the step ends at the later of
+    backward's end and the last send's, a bucket's copy-back early.
+    """
+
+    def __init__(self) -> None:
+        self.bandwidth = 1e9  # bytes per second
+        self.transfers: list[Transfer] = []
+        self.bucket_params: dict[str, list[list[str]]] = {}
+        self._free_at = 0.0
+
+    def reset(self) -> None:
+        self.transfers = []
+
+    def close(self) -> None:
+        pass
+
+    def enqueue(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        ready = time.perf_counter()
+        buffer = bucket.buffer()
+        nbytes = buffer.numel() * buffer.element_size()
+        start = max(ready, self._free_at)
+        self._free_at = end = start + nbytes / self.bandwidth
+        self.transfers.append(Transfer(bucket.index(), nbytes, ready, start, end, end))
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        fut.set_result(buffer)
+        return fut
+
+    def settle(self) -> None:
+        """Wait until the last bucket sent so far has arrived."""
+        delay = self._free_at - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+
+
 @dataclass
 class HookState:
-    link: Link
+    link: Link | ScheduledLink
     mode: str
     names: dict[int, str]
     record_params: bool = True

@@ -15,7 +15,9 @@ Two parts, each stepping every mode round-robin in one process (ratios within on
 * ``tradeoff``: 16 x Linear(1024) + GELU at batch 64, cap 4 MiB (16 buckets), and then the
   overhead model, with gradients sent over the simulated link of ``overlap.py`` at speeds set
   from the backward time measured at the start of the run (communication = 0.5 x and 2 x
-  backward) and at 1 GB/s. ddp_split with 1, 2, 4, 8 and 16 (32) buckets per piece, and
+  backward) and at 1 GB/s. The link is ``overlap.ScheduledLink`` (a schedule, no thread: the
+  step ends when backward and the last send have); ``--thread-link`` uses ``overlap.Link``'s
+  thread, as grid runs 1-5 did, whose GIL use slows the backward it overlaps. ddp_split with 1, 2, 4, 8 and 16 (32) buckets per piece, and
   ``min_piece_mb="auto"`` given the cell's own link speed as ``link_gbps``
   (``ddp_split_auto_link@<GB/s>``, built for each speed), against DDPOptimizer and eager DDP.
 
@@ -49,7 +51,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ddp_split_backend
 from _common import environment, free_port, own_code
 from ddp_split_backend import DDPSplitBackend, SplitConfig
-from overlap import HookState, Link, link_hook
+from overlap import HookState, Link, ScheduledLink, link_hook
 
 HERE = Path(__file__).resolve().parent
 MIB = 2**20
@@ -169,25 +171,34 @@ def _compiled_autograd() -> contextlib.AbstractContextManager[Any]:
     return torch._dynamo.config.patch(optimize_ddp="python_reducer", compiled_autograd=True)
 
 
-def step(mode: Mode, x: torch.Tensor) -> float:
+def _nothing() -> None:
+    pass
+
+
+def step(mode: Mode, x: torch.Tensor, settle: Callable[[], None] = _nothing) -> float:
+    """One timed forward and backward; ``settle`` waits for the link after backward."""
     for p in mode.params:
         p.grad = None
     with mode.context():
         start = time.perf_counter()
         mode.model(x).sum().backward()
+        settle()
         return time.perf_counter() - start
 
 
-def round_robin(modes: list[Mode], x: torch.Tensor, warmup: int, rounds: int, reset: Callable[[], None]) -> None:
+def round_robin(
+    modes: list[Mode], x: torch.Tensor, warmup: int, rounds: int, reset: Callable[[], None],
+    settle: Callable[[], None] = _nothing,
+) -> None:
     for mode in modes:
         mode.samples = []
         for _ in range(warmup):
             reset()
-            step(mode, x)
+            step(mode, x, settle)
     for _ in range(rounds):
         for mode in modes:
             reset()
-            mode.samples.append(step(mode, x))
+            mode.samples.append(step(mode, x, settle))
 
 
 def summarize(modes: list[Mode]) -> dict[str, dict[str, Any]]:
@@ -248,7 +259,8 @@ def run_tradeoff(work: Workload, inner: str, args: argparse.Namespace) -> dict[s
         x = torch.randn(work.batch, work.width)
         backward = backward_seconds(work, x)
         grad_bytes = work.depth * (work.width + 1) * work.width * 4
-        link = Link()
+        link = Link() if args.thread_link else ScheduledLink()
+        settle = getattr(link, "settle", _nothing)
 
         def built(name: str) -> Mode:
             return build(work, name, inner, link_hook, HookState(link, name, {}, record_params=False))
@@ -265,7 +277,7 @@ def run_tradeoff(work: Workload, inner: str, args: argparse.Namespace) -> dict[s
                 link.bandwidth = bandwidth
                 told = f"{AUTO_LINK}@{bandwidth / 1e9:.6g}"  # auto, told this link's speed
                 here = [*fixed, built(told)]
-                round_robin(here, x, args.warmup, args.rounds, link.reset)
+                round_robin(here, x, args.warmup, args.rounds, link.reset, settle)
                 rows = summarize(here)
                 results[label] = {"bandwidth": bandwidth, "comm_ms": 1e3 * grad_bytes / bandwidth, "rows": rows}
         finally:
@@ -274,6 +286,7 @@ def run_tradeoff(work: Workload, inner: str, args: argparse.Namespace) -> dict[s
             "workload": work.__dict__,
             "inner": inner,
             "threads": torch.get_num_threads(),
+            "link": type(link).__name__,
             "backward_ms": 1e3 * backward,
             "grad_bytes": grad_bytes,
             "speeds": results,
@@ -373,6 +386,8 @@ def main() -> None:
     p.add_argument("--comm-ratios", nargs="+", type=float, default=[0.5, 2.0])
     p.add_argument("--warmup", type=int, default=5, help="steps per mode before timing (compiles, DDP's bucket rebuild)")
     p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--thread-link", action="store_true",
+                   help="send over overlap.Link's thread (grid runs 1-5) instead of overlap.ScheduledLink")
     p.add_argument("--out", type=Path, default=HERE / "results" / "step_overhead.json")
     p.add_argument("--picture", type=Path, default=HERE / "pieces_tradeoff.png")
     args = p.parse_args()

@@ -23,9 +23,8 @@ it: after a piece, the engine accumulates its gradients one by one, DDP's reduce
 into its bucket, and a full bucket calls the comm hook, one bucket after another on the thread
 that runs backward (:func:`bucket_launch_s`: a fixed host cost and the copy). Where that is
 slower than the link, the link keeps up with the launches of one piece, and more pieces
-overlap little more: on the project CPU, over a link sending a 1 MiB bucket in 0.18 ms, one
-piece was the best grouping of 32 buckets, DDP launching them 0.13 ms apart (RESULTS.md,
-grid run 5).
+overlap little more (on the project CPU DDP launched the 1 MiB buckets of one piece 0.10 ms
+apart, RESULTS.md, "DDP's launch of a bucket").
 
 The estimates are for choosing a grouping, not for reporting: they only need to rank
 groupings the way the real step times would.
@@ -80,7 +79,7 @@ class DeviceRates:
 
 
 DEVICE_RATES = {
-    "cpu": DeviceRates(flops_per_s=8.8e10, bytes_per_s=6.0e9, op_s=3.1e-6, bucket_s=0.06e-3, copy_bytes_per_s=15e9),
+    "cpu": DeviceRates(flops_per_s=8.8e10, bytes_per_s=6.0e9, op_s=3.1e-6, bucket_s=0.05e-3, copy_bytes_per_s=20e9),
     "cuda": DeviceRates(flops_per_s=50e12, bytes_per_s=2.0e12, op_s=10e-6, bucket_s=0.05e-3, copy_bytes_per_s=2.0e12),
 }
 """Rates per device type, for ranking groupings. ``cpu``: this project's 2-core CPU, one
@@ -89,7 +88,7 @@ a memory rate set so that the estimate of a measured ``Linear`` + GELU backward 
 (2026-12-07: 394 us a layer at width 512, batch 2, and 4.8 ms at 1024 x 64, one thread; cache-
 resident micro-kernels, ``benchmarks/device_rates.py``, read 7-10 x faster and made backward look
 far cheaper than communication); ``bucket_s`` and ``copy_bytes_per_s`` from the intervals at
-which DDP launched the buckets of one piece, 0.13 ms for 1 MiB and 0.30-0.36 ms for 4 MiB
+which DDP launched the buckets of one piece, 0.10 ms for 1 MiB and 0.26 ms for 4 MiB
 (``benchmarks/bucket_launch.py``, aot_eager and inductor alike). ``cuda``: an H100's order of magnitude (FP32 matmuls, HBM
 bandwidth, one kernel launch from Python, the reducer's host work). Other devices use the
 CPU's."""
