@@ -17,7 +17,8 @@ Two parts, each stepping every mode round-robin in one process (ratios within on
   from the backward time measured at the start of the run (communication = 0.5 x and 2 x
   backward) and at 1 GB/s. The link is ``overlap.ScheduledLink`` (a schedule, no thread: the
   step ends when backward and the last send have); ``--thread-link`` uses ``overlap.Link``'s
-  thread, as grid runs 1-5 did, whose GIL use slows the backward it overlaps. ddp_split with 1, 2, 4, 8 and 16 (32) buckets per piece, and
+  thread, as grid runs 1-5 did, whose GIL use slows the backward it overlaps. ddp_split with
+  1, 2, 4, 8 and 16 (32) buckets per piece, and
   ``min_piece_mb="auto"`` given the cell's own link speed as ``link_gbps``
   (``ddp_split_auto_link@<GB/s>``, built for each speed), against DDPOptimizer and eager DDP.
 
@@ -260,7 +261,6 @@ def run_tradeoff(work: Workload, inner: str, args: argparse.Namespace) -> dict[s
         backward = backward_seconds(work, x)
         grad_bytes = work.depth * (work.width + 1) * work.width * 4
         link = Link() if args.thread_link else ScheduledLink()
-        settle = getattr(link, "settle", _nothing)
 
         def built(name: str) -> Mode:
             return build(work, name, inner, link_hook, HookState(link, name, {}, record_params=False))
@@ -277,7 +277,7 @@ def run_tradeoff(work: Workload, inner: str, args: argparse.Namespace) -> dict[s
                 link.bandwidth = bandwidth
                 told = f"{AUTO_LINK}@{bandwidth / 1e9:.6g}"  # auto, told this link's speed
                 here = [*fixed, built(told)]
-                round_robin(here, x, args.warmup, args.rounds, link.reset, settle)
+                round_robin(here, x, args.warmup, args.rounds, link.reset, link.settle)
                 rows = summarize(here)
                 results[label] = {"bandwidth": bandwidth, "comm_ms": 1e3 * grad_bytes / bandwidth, "rows": rows}
         finally:

@@ -47,16 +47,16 @@ cost of a piece (Note [Piece cost model] in ``cost.py``), and DDP then launches 
 one on the same thread, each launch taking its time. One link sends buckets in the order
 they are launched, so a bucket's communication ends at ``max(end of the one before's,
 launched) + comm``; the step ends when the last communication, or the last launch, does,
-and every piece's forward pays its fixed cost too. The candidates are *even* groupings: for piece counts growing geometrically
-(:data:`_LADDER`), the buckets cut into groups of equal backward time, and of equal
-communication, and groups of 1, 2, 4, ... buckets each; each is evaluated in one pass
+and every piece's forward pays its fixed cost too. The candidates are *even* groupings: for
+piece counts growing geometrically (:data:`_LADDER`), the buckets cut into groups of equal
+backward time, and of equal communication, and groups of 1, 2, 4, ... buckets each; each is evaluated in one pass
 (O(buckets x log(buckets)) in all; ``benchmarks/plan_scaling.py``). Of them, the fewest pieces
 predicted within :data:`TOLERANCE` of the best is chosen. Until 2026-12-07 the search was
 exact up to 32 buckets (a dynamic programme over every grouping), and where communication
 dominates, its optimum was uneven: a small piece first in backward, to start the link early,
 then large ones. Measured, those were slower than the even groupings beside them (RESULTS.md,
 grid runs 2 and 3: 57.2 ms for 5 uneven pieces against 49.9 ms for 4 even ones), what the
-model leaves out (DDP's per-parameter hooks, the engine's order, the link's start) favouring
+model leaves out (the engine's order within a piece, the link's start) favouring
 evenness; among even groupings its ranking held.
 Communication per bucket is its bytes over ``link_gbps`` (``inf``: an instant link), which
 ``min_piece_mb="auto"`` requires: nothing at compile time can tell the link, and a plan that
